@@ -1,0 +1,202 @@
+"""The `blockdraft` command: generate, data, train. Each subcommand is one typed function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import BlockdraftError
+
+BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
+
+
+def bundled_drafter(target: str) -> Path | None:
+    path = BUNDLED_DRAFTERS / target
+    return path if (path / "model.safetensors").exists() else None
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
+    if (prompt is None) == (prompts_file is None):
+        raise BlockdraftError("give exactly one of --prompt or --prompts-file")
+    if prompt is not None:
+        return [{"prompt": prompt}]
+    rows = []
+    try:
+        lines = Path(prompts_file).read_text().splitlines()
+    except OSError as err:
+        raise BlockdraftError(f"cannot read --prompts-file: {err}") from err
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BlockdraftError(f"{prompts_file}:{n}: invalid JSON ({err.msg})") from err
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise BlockdraftError(f'{prompts_file}:{n}: expected {{"prompt": "...", "seed": optional int}}')
+        if rec.get("seed") is not None and not isinstance(rec["seed"], int):
+            raise BlockdraftError(f"{prompts_file}:{n}: seed must be an integer")
+        rows.append(rec)
+    if not rows:
+        raise BlockdraftError(f"{prompts_file}: no prompts")
+    return rows
+
+
+def load_engine(target: str, draft: str | None, device: str | None = None):
+    """The target plus the drafter: a path, 'none', or None for the bundled one (if any)."""
+    from .checkpoint import load_draft
+    from .decoding import Engine
+    from .target import load_target
+
+    if draft is not None and draft != "none" and not Path(draft).exists():
+        raise BlockdraftError(f"drafter checkpoint {draft!r} does not exist")
+    tgt = load_target(target, device=device)
+    path = bundled_drafter(target) if draft is None else (None if draft == "none" else Path(draft))
+    drafter = load_draft(path, device=tgt.device, dtype=tgt.dtype) if path else None
+    return Engine(tgt, drafter)
+
+
+def cmd_generate(
+    target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+    block_size: int | None, stop: list[str], as_json: bool, device: str | None,
+) -> None:
+    from .decoding import GenerationConfig, GenerationStats, cut_at_stop_string
+    from .verify import SamplingParams
+
+    rows = read_prompts(prompt, prompts_file)
+    base = GenerationConfig(
+        max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed).validate(),
+        block_size=block_size, stop_strings=tuple(stop),
+    )
+    engine = load_engine(target, draft, device)
+    tgt = engine.target
+    use_chat = tgt.has_chat_template if chat is None else chat
+    if use_chat and not tgt.has_chat_template:
+        raise BlockdraftError(f"target {target!r} has no chat template; use --raw")
+    for row in rows:
+        ids = tgt.encode_prompt(row["prompt"], use_chat)
+        cfg = base
+        if row.get("seed") is not None:
+            cfg = GenerationConfig(**{**base.__dict__, "sampling": SamplingParams(temperature, top_k, top_p, row["seed"]).validate()})
+        if as_json:
+            res = engine.generate(ids, cfg)
+            st = res.stats
+            print(json.dumps({
+                "prompt": row["prompt"], "text": res.text, "token_ids": res.token_ids,
+                "num_new_tokens": res.num_new_tokens, "finish_reason": res.finish_reason,
+                "tau": round(st.tau, 4), "acceptance_lengths": st.acceptance_lengths,
+                "prefill_seconds": round(st.prefill_seconds, 4), "decode_seconds": round(st.decode_seconds, 4),
+                "decode_tokens_per_second": round(max(res.num_new_tokens - 1, 0) / st.decode_seconds, 2)
+                if st.decode_seconds > 0 else None,
+            }), flush=True)
+            continue
+        stats = GenerationStats()
+        tokens: list[int] = []
+        shown = ""
+        for step in engine.stream(ids, cfg, stats):
+            tokens.extend(step.tokens)
+            text = tgt.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = cut_at_stop_string(text, cfg.stop_strings)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        n = len(tokens)
+        tps = (n - 1) / stats.decode_seconds if stats.decode_seconds > 0 else float("nan")
+        print(f"\n[{n} tokens, tau {stats.tau:.2f}, {tps:.1f} tok/s decode, prefill {stats.prefill_seconds:.2f}s]",
+              file=sys.stderr)
+
+
+def cmd_data(out: str, source: str, target: str, responses: str, limit: int, batch_size: int,
+             max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float) -> None:
+    from .data import generate_data
+
+    generate_data(out, source, target, responses, limit, batch_size, max_prompt_tokens, max_new_tokens,
+                  heldout_percent)
+
+
+def cmd_train(resume: bool, **kwargs) -> None:
+    from .train import TrainConfig, train
+
+    path = train(TrainConfig(**kwargs), resume=resume)
+    print(f"drafter written to {path}")
+
+
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    from dataclasses import MISSING, fields
+
+    from .train import TrainConfig
+
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        required = f.default is MISSING
+        default = None if required else f.default
+        if isinstance(default, bool):
+            t.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
+            if kind is None:  # optional float fields (gamma, time budget)
+                kind = float
+            t.add_argument(flag, type=kind, default=default, required=required)
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blockdraft", description="Lossless DFlash speculative decoding")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    g.add_argument("--target", default="smollm2-135m", help="smollm2-135m or a local HF model directory")
+    g.add_argument("--draft", default=None, help="drafter directory, or 'none' for plain decoding "
+                   "(default: the bundled drafter when one exists)")
+    g.add_argument("--prompt")
+    g.add_argument("--prompts-file", help='JSONL lines {"prompt": ..., "seed": optional int}')
+    chat = g.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt as one user message (default when the tokenizer has a chat template)")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as plain text")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
+    g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
+
+    d = sub.add_parser("data", help="regenerate training responses with the target")
+    d.add_argument("--out", required=True, help="output directory (resumable)")
+    d.add_argument("--source", default="sharegpt", help="'sharegpt' or a JSONL of prompts / messages")
+    d.add_argument("--target", default="smollm2-135m")
+    d.add_argument("--responses", default="target", choices=["target", "dataset"])
+    d.add_argument("--limit", type=int, default=1000)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--max-prompt-tokens", type=int, default=256)
+    d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--heldout-percent", type=float, default=2.0)
+
+    t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
+    _add_train_args(t)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    try:
+        {"generate": cmd_generate, "data": cmd_data, "train": cmd_train}[command](**args)
+    except BlockdraftError as err:
+        print(f"blockdraft {command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

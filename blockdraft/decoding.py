@@ -1,0 +1,248 @@
+"""Speculative decoding with a DFlash drafter, and plain decoding through the same loop.
+
+`decode_steps` is the whole algorithm, top to bottom: prefill, then per step draft a block,
+verify it with one target forward, commit the accepted prefix plus one token and roll the target
+cache back. Without a drafter every step is one plain autoregressive token (the honest baseline).
+`generate` drives it to the end and returns a `GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .checkpoint import check_fits
+from .draft import DraftCache, DraftModel
+from .errors import BlockdraftError
+from .target import Target
+from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampled
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    block_size: int | None = None  # None: the drafter's own block size
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
+    proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed this step (accepted drafts + bonus/recovered), after stops
+    num_drafted: int  # block size - 1 (0 for a plain step)
+    num_accepted: int
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per decode step
+    drafted: int = 0
+    accepted: int = 0
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted drafts + 1 per step); 1.0 for plain decoding."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 1.0
+
+    def histogram(self, block_size: int) -> list[int]:
+        """Counts of acceptance lengths 1..block_size."""
+        counts = [0] * block_size
+        for a in self.acceptance_lengths:
+            counts[min(a, block_size) - 1] += 1
+        return counts
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only
+    text: str
+    finish_reason: str  # "stop" or "length"
+    stats: GenerationStats
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _Stopper:
+    """EOS ids, stop strings and the length limit; truncates a step's tokens where one hits."""
+
+    def __init__(self, target: Target, config: GenerationConfig, budget: int):
+        ids = config.stop_token_ids if config.stop_token_ids is not None else target.stop_token_ids
+        self.stop_ids = set(ids)
+        self.stop_strings = [s for s in config.stop_strings if s]
+        self.tokenizer = target.tokenizer
+        self.budget = budget
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+
+    def clip(self, tokens: list[int]) -> list[int]:
+        out = []
+        for tok in tokens:
+            out.append(tok)
+            self.generated.append(tok)
+            if tok in self.stop_ids or (self.stop_strings and self._hit_stop_string()):
+                self.finish_reason = "stop"
+                break
+            if len(self.generated) >= self.budget:
+                self.finish_reason = "length"
+                break
+        return out
+
+    def _hit_stop_string(self) -> bool:
+        tail = self.tokenizer.decode(self.generated[-32:], skip_special_tokens=False)
+        return any(s in tail for s in self.stop_strings)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    """The next token from one row of target logits [V]."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(probs_from_logits(logits, params), gen))
+
+
+def propose(draft_logits: torch.Tensor, config: GenerationConfig, gen):
+    """Draft tokens [n] and the distribution q [n, V] they were drawn from (None if argmax)."""
+    params = config.sampling
+    if params.greedy or config.proposal == "greedy":
+        return draft_logits.argmax(-1), None
+    q = probs_from_logits(draft_logits, params)
+    return sample(q, gen), q
+
+
+def verify_block(verify_logits: torch.Tensor, drafts: torch.Tensor, q, config: GenerationConfig, gen):
+    """Verdict on drafts [n] from the target's logits [n + 1, V] over [anchor, drafts]."""
+    if config.sampling.greedy:
+        return verify_greedy(drafts, verify_logits.argmax(-1))
+    return verify_sampled(drafts, probs_from_logits(verify_logits, config.sampling), q, gen)
+
+
+def validate_request(target: Target, prompt_ids: list[int], config: GenerationConfig) -> None:
+    config.sampling.validate()
+    if not prompt_ids:
+        raise BlockdraftError("the prompt is empty: at least one token is needed")
+    if not isinstance(config.max_new_tokens, int) or not 1 <= config.max_new_tokens <= 1_000_000:
+        raise BlockdraftError(f"max_new_tokens must be an integer in [1, 1000000] (got {config.max_new_tokens})")
+    if len(prompt_ids) >= target.max_context:
+        raise BlockdraftError(
+            f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}"
+        )
+    if config.block_size is not None and not 1 <= config.block_size <= 256:
+        raise BlockdraftError(f"block_size must be in [1, 256] (got {config.block_size})")
+    if config.proposal not in ("sample", "greedy"):
+        raise BlockdraftError(f"proposal must be 'sample' or 'greedy' (got {config.proposal!r})")
+    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise BlockdraftError(f"prompt token ids {bad[:5]} are outside the vocabulary of {target.vocab_size}")
+
+
+@torch.inference_mode()
+def decode_steps(
+    target: Target,
+    draft: DraftModel | None,
+    prompt_ids: list[int],
+    config: GenerationConfig,
+    stats: GenerationStats | None = None,
+) -> Iterator[Step]:
+    """Yield each step's committed tokens. With `draft=None` (or block size 1) this is plain
+    autoregressive decoding: the same target forwards, one token per step."""
+    validate_request(target, prompt_ids, config)
+    stats = stats if stats is not None else GenerationStats()
+    params = config.sampling
+    gen = None
+    if not params.greedy:
+        gen = torch.Generator(device=target.device)
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    block_size = 1 if draft is None else (config.block_size or draft.block_size)
+    taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
+    budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
+    stopper = _Stopper(target, config, budget)
+
+    # 1. Prefill: the first token comes from the prompt's last logits; the prompt's taps are
+    #    the draft's first context.
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
+    out = target.forward(prompt, cache, taps, logits_at=1)
+    anchor = _choose(out.logits[0, -1], params, gen)
+    pending_taps = out.taps  # [1, T, K*H] target taps not yet in the draft cache
+    draft_cache = DraftCache(len(draft.layers)) if taps else None
+    position = len(prompt_ids)  # absolute position of the anchor (committed, not yet in cache)
+    stats.prompt_tokens = len(prompt_ids)
+    first = stopper.clip([anchor])
+    stats.prefill_seconds = time.perf_counter() - t0
+    yield Step(first, 0, 0)
+
+    t0 = time.perf_counter()
+    while stopper.finish_reason is None:
+        # 2. Draft: never propose more than the budget or the context can take.
+        block = min(block_size, budget - len(stopper.generated) + 1, target.max_context - position)
+        drafts = q = None
+        if block > 1:
+            draft_logits = draft.block_logits(
+                target.embed_tokens, target.lm_head, draft_cache, pending_taps, anchor, position, block
+            )
+            drafts, q = propose(draft_logits, config, gen)
+        # 3. Verify: one target forward over [anchor, drafts].
+        block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
+        if drafts is not None:
+            block_ids = torch.cat([block_ids, drafts[None]], dim=1)  # [1, block]
+        out = target.forward(block_ids, cache, taps)
+        if drafts is None:
+            accepted, next_token = 0, _choose(out.logits[0, -1], params, gen)
+        else:
+            verdict = verify_block(out.logits[0], drafts, q, config, gen)
+            accepted, next_token = verdict.num_accepted, verdict.next_token
+        # 4. Commit the anchor and accepted drafts; roll the target cache back past rejected
+        #    drafts. Their taps become draft context; the new token is the next anchor.
+        committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
+        Target.rollback(cache, position + 1 + accepted)
+        if taps:
+            pending_taps = out.taps[:, : 1 + accepted]
+        position += 1 + accepted
+        anchor = next_token
+        emitted = stopper.clip(committed)
+        stats.acceptance_lengths.append(len(emitted))
+        stats.drafted += block - 1
+        stats.accepted += accepted
+        stats.decode_seconds = time.perf_counter() - t0
+        yield Step(emitted, block - 1, accepted)
+    stats.finish_reason = stopper.finish_reason
+
+
+class Engine:
+    """A target and an optional drafter, checked against each other once."""
+
+    def __init__(self, target: Target, draft: DraftModel | None = None):
+        if draft is not None:
+            check_fits(draft.cfg, target)
+            draft.to(device=target.device, dtype=target.dtype)
+        self.target = target
+        self.draft = draft
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[Step]:
+        return decode_steps(self.target, self.draft, prompt_ids, config, stats)
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationResult:
+        config = config or GenerationConfig()
+        stats = GenerationStats()
+        tokens: list[int] = []
+        for step in self.stream(prompt_ids, config, stats):
+            tokens.extend(step.tokens)
+        text = self.target.tokenizer.decode(tokens, skip_special_tokens=True) if self.target.tokenizer else ""
+        text = cut_at_stop_string(text, config.stop_strings)
+        return GenerationResult(tokens, text, stats.finish_reason or "length", stats)
+
+
+def cut_at_stop_string(text: str, stop_strings) -> str:
+    cuts = [text.find(s) for s in stop_strings if s and s in text]
+    return text[: min(cuts)] if cuts else text

@@ -1,0 +1,284 @@
+"""The DFlash draft model: a few Qwen3-style layers that denoise a whole block in one forward.
+
+Conditioning ("KV injection"): the target's tapped hidden states are fused into context
+features c = hidden_norm(fc(concat taps)), and every draft layer attends over
+[k_proj(c) | k_proj(block)] and [v_proj(c) | v_proj(block)], with no causal mask.
+The draft owns no embedding and no LM head: it reads the target's (shared, frozen).
+
+Inference keeps the context K/V of committed positions in a `DraftCache`; the block's own
+K/V are transient. Training calls the same layers with all blocks packed and a boolean mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """K taps spread evenly from layer 1 to layer L-3 (DFLASH.md; Python's round)."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = (num_target_layers - 3) - 1
+    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Qwen3 does), scale in the input dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+    """cos/sin tables for absolute positions [T] -> [T, D], or per sequence [B, T] -> [B, 1, T, D]
+    (the default RoPE of Llama/Qwen)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
+    if emb.dim() == 3:
+        emb = emb[:, None]  # [B, 1, T, D]: broadcast over heads
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
+    """x: [B, heads, T, D]."""
+    cos, sin = cos_sin
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
+        return apply_rope(k, cos_sin), v  # [B, Hkv, T, D] each
+
+    def context_kv(self, c: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context features c [B, Tc, H] (injected into this layer)."""
+        return self._kv(c, cos_sin)
+
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.cfg.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos_sin)  # [B, Hq, T, D]
+        k, v = self._kv(x, cos_sin)
+        k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftCache:
+    """Per-layer K/V of committed context positions only, in buffers that grow by doubling."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new context K/V [B, Hkv, n, D] after the committed ones; return the full view."""
+        start, n = self.length, k.shape[2]
+        buf = self.k[layer]
+        if buf is None or buf.shape[2] < start + n:
+            cap = max(64, 2 * (start + n))
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(new_k.shape)
+            if buf is not None:
+                new_k[:, :, :start] = buf[:, :, :start]
+                new_v[:, :, :start] = self.v[layer][:, :, :start]
+            self.k[layer], self.v[layer] = new_k, new_v
+        self.k[layer][:, :, start : start + n] = k
+        self.v[layer][:, :, start : start + n] = v
+        return self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
+
+
+class DraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple:
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features c [B, T, H] from concatenated target taps [B, T, K*H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, Tb, H]: target embedding of the block tokens
+        block_positions: torch.Tensor,  # [Tb] or [B, Tb] absolute positions
+        context_taps: torch.Tensor,  # [B, Tc, K*H]: new context (inference) or all of it (training)
+        context_positions: torch.Tensor,  # [Tc]
+        cache: DraftCache | None = None,
+        mask: torch.Tensor | None = None,  # [B, 1, Tb, Tcache + Tc + Tb] bool, True = may attend
+    ) -> torch.Tensor:
+        """Final-normed hidden states of the block [B, Tb, H]; apply the target's LM head."""
+        x = block_embeds
+        c = self.fuse(context_taps)
+        block_rope = self.rope(block_positions, x.dtype)
+        ctx_rope = self.rope(context_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.context_kv(c, ctx_rope)
+            if cache is not None:
+                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v)
+            x = layer(x, block_rope, ctx_k, ctx_v, mask)
+        if cache is not None:
+            cache.length += context_taps.shape[1]
+        return self.norm(x)
+
+    def block_logits(
+        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
+        anchor: int, position: int, block: int,
+    ) -> torch.Tensor:
+        """One draft forward on [anchor, mask x (block-1)] at positions position..position+block-1,
+        with the target's embedding and LM head. Absorbs the pending context taps [1, Tc, K*H]
+        into the cache; returns the draft logits [block-1, V] for positions 1..block-1."""
+        device = context_taps.device
+        ids = torch.full((1, block), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = anchor
+        hidden = self(
+            embed(ids),
+            torch.arange(position, position + block, device=device),
+            context_taps,
+            torch.arange(cache.length, cache.length + context_taps.shape[1], device=device),
+            cache,
+        )  # [1, block, H]
+        return lm_head(hidden[0, 1:])
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_draft_config(
+    target_config,
+    num_layers: int = 5,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int = 0,
+    num_taps: int = 5,
+    vocab_size: int | None = None,
+) -> DraftConfig:
+    """A draft sized like the target (hidden size, heads, MLP width, RoPE base)."""
+    t = target_config
+    n_target = int(t.num_hidden_layers)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    rope = getattr(t, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+    return DraftConfig(
+        hidden_size=int(t.hidden_size),
+        intermediate_size=int(t.intermediate_size),
+        num_layers=num_layers,
+        num_heads=int(t.num_attention_heads),
+        num_kv_heads=int(getattr(t, "num_key_value_heads", None) or t.num_attention_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(vocab_size or t.vocab_size),
+        num_target_layers=n_target,
+        target_layer_ids=list(target_layer_ids or default_target_layer_ids(n_target, num_taps)),
+        mask_token_id=int(mask_token_id),
+        block_size=block_size,
+        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
+    )
+
+
+def init_scale_check(cfg: DraftConfig) -> None:
+    """Sanity of a config on its own (fit to a target is checked in `checkpoint.check_fits`)."""
+    from .errors import BlockdraftError
+
+    if cfg.block_size < 2:
+        raise BlockdraftError(f"block_size must be >= 2 (got {cfg.block_size})")
+    if cfg.num_layers < 1:
+        raise BlockdraftError(f"num_layers must be >= 1 (got {cfg.num_layers})")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise BlockdraftError(
+            f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}"
+        )
+    if cfg.head_dim % 2 or not math.isfinite(cfg.rope_theta) or cfg.rope_theta <= 0:
+        raise BlockdraftError(f"bad head_dim {cfg.head_dim} or rope_theta {cfg.rope_theta}")

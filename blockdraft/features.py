@@ -1,0 +1,107 @@
+"""Target features for training: the tapped hidden states of every training sequence.
+
+Computed once by a prefill pass (no generation, no grad) and cached on disk as one fp16 matrix
+[total tokens, K*H], memory-mapped, plus an index of where each sample starts. Building is
+resumable: `progress.json` records how many samples are complete, and a restart continues there.
+The trainer can also compute features online (`OnlineFeatures`) with the same interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import BlockdraftError
+
+
+def _tap_tag(tap_ids: list[int]) -> str:
+    return "taps-" + "-".join(str(i) for i in tap_ids)
+
+
+class CachedFeatures:
+    """Read side of the cache: `get(i)` -> fp32 tensor [S_i, K*H] of sample i."""
+
+    def __init__(self, directory: Path):
+        meta = json.loads((directory / "index.json").read_text())
+        self.offsets = meta["offsets"]  # len n + 1
+        self.width = meta["width"]
+        prog = json.loads((directory / "progress.json").read_text())
+        if prog["done"] < len(self.offsets) - 1:
+            raise BlockdraftError(f"feature cache {directory} is incomplete ({prog['done']} samples); rebuild it")
+        self.array = np.memmap(directory / "features.f16", dtype=np.float16, mode="r",
+                               shape=(self.offsets[-1], self.width))
+
+    def get(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(self.array[self.offsets[i] : self.offsets[i + 1]], dtype=np.float32))
+
+
+class OnlineFeatures:
+    """Features computed on demand by a target forward (no cache on disk)."""
+
+    def __init__(self, target, samples: list[dict], tap_ids: list[int]):
+        self.target, self.samples, self.tap_ids = target, samples, tap_ids
+
+    def get(self, i: int) -> torch.Tensor:
+        ids = torch.tensor([self.samples[i]["input_ids"]], device=self.target.device)
+        out = self.target.forward(ids, self.target.new_cache(), self.tap_ids, logits_at=1)
+        return out.taps[0].float().cpu()
+
+
+def build_feature_cache(
+    data_dir: str | os.PathLike, split: str, samples: list[dict], target, tap_ids: list[int],
+    progress: bool = True, chunk: int = 8,
+) -> CachedFeatures:
+    """Write (or finish writing) the fp16 feature cache of `samples`; return its reader."""
+    from tqdm import tqdm
+
+    directory = Path(data_dir) / f"features-{split}-{_tap_tag(tap_ids)}"
+    directory.mkdir(parents=True, exist_ok=True)
+    width = len(tap_ids) * target.hidden_size
+    offsets = np.concatenate([[0], np.cumsum([len(s["input_ids"]) for s in samples])]).tolist()
+    index = {"offsets": offsets, "width": width, "ids": [s["id"] for s in samples]}
+    index_path, prog_path = directory / "index.json", directory / "progress.json"
+    if index_path.exists() and json.loads(index_path.read_text()) != index:
+        raise BlockdraftError(f"{directory} was built from other samples; delete it to rebuild")
+    index_path.write_text(json.dumps(index))
+    done = json.loads(prog_path.read_text())["done"] if prog_path.exists() else 0
+    path = directory / "features.f16"
+    mode = "r+" if path.exists() and done > 0 else "w+"
+    array = np.memmap(path, dtype=np.float16, mode=mode, shape=(max(offsets[-1], 1), width))
+    bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=f"features ({split})", unit="seq")
+    for i in range(done, len(samples)):
+        ids = torch.tensor([samples[i]["input_ids"]], device=target.device)
+        out = target.forward(ids, target.new_cache(), tap_ids, logits_at=1)
+        array[offsets[i] : offsets[i + 1]] = out.taps[0].float().cpu().numpy().astype(np.float16)
+        bar.update(1)
+        if (i + 1) % chunk == 0 or i + 1 == len(samples):
+            array.flush()  # data first, then the progress marker that vouches for it
+            prog_path.write_text(json.dumps({"done": i + 1}))
+    bar.close()
+    if not prog_path.exists():
+        prog_path.write_text(json.dumps({"done": len(samples)}))
+    del array
+    return CachedFeatures(directory)
+
+
+def tap_channel_scale(features, n: int = 64) -> torch.Tensor:
+    """Per-channel RMS of the taps over (up to) n samples [K*H]. Target hidden states have a few
+    outlier channels far larger than the rest; dividing by this scale evens them out, and the
+    scale is folded into `fc` when the drafter is saved (the checkpoint stays standard)."""
+    sums, count = None, 0
+    for i in range(n):
+        try:
+            x = features.get(i)
+        except IndexError:
+            break
+        if x.shape[0] == 0:
+            break
+        sq = x.double().pow(2).sum(0)
+        sums = sq if sums is None else sums + sq
+        count += x.shape[0]
+    if sums is None:
+        raise BlockdraftError("no features to compute the tap scale from")
+    return (sums / count).sqrt().clamp_min(1e-3).float()

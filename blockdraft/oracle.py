@@ -1,0 +1,35 @@
+"""An oracle drafter: proposes the target's own greedy continuation (computed beforehand), each
+token kept with probability `keep` (else replaced by a wrong one, which ends acceptance there).
+
+It runs the real draft forward first, so a step costs what a real drafter's step costs; only the
+proposed tokens differ. With it the engine's speed can be measured against a controlled tau,
+independently of how well a drafter is trained, and tests get partial, full and zero acceptance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .draft import DraftModel
+
+
+class OracleDraft(DraftModel):
+    def __init__(self, base: DraftModel, continuation: list[int], prompt_len: int, keep: float, seed: int = 0):
+        super().__init__(base.cfg)
+        self.load_state_dict(base.state_dict())
+        self.to(next(base.parameters()).device)
+        self.continuation = continuation  # the target's greedy tokens after the prompt
+        self.prompt_len = prompt_len
+        self.keep = keep
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def block_logits(self, embed, lm_head, cache, context_taps, anchor, position, block):
+        logits = super().block_logits(embed, lm_head, cache, context_taps, anchor, position, block)
+        vocab = logits.shape[-1]
+        out = torch.full_like(logits, -1e4)  # [block-1, V]
+        for k in range(block - 1):
+            idx = position + 1 + k - self.prompt_len  # index of the token at position+1+k
+            truth = self.continuation[idx] if 0 <= idx < len(self.continuation) else 0
+            right = torch.rand((), generator=self.gen).item() < self.keep
+            out[k, truth if right else (truth + 1) % vocab] = 0.0
+        return out

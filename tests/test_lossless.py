@@ -1,0 +1,70 @@
+"""Greedy speculative decoding must equal plain greedy decoding token for token."""
+
+import pytest
+import torch
+
+from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.oracle import OracleDraft
+
+from conftest import tiny_draft, tiny_target
+
+PROMPTS = [[5, 17, 33, 2], [7] * 12, list(range(3, 40))]
+
+
+def greedy(engine, prompt, n=48, block_size=None):
+    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=())
+    return engine.generate(prompt, cfg)
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 5, 8, 16])
+def test_random_drafter_matches_plain_decoding(target, block_size):
+    draft = tiny_draft(target, block_size=block_size)
+    plain, spec = Engine(target), Engine(target, draft)
+    for prompt in PROMPTS:
+        expected = greedy(plain, prompt).token_ids
+        got = greedy(spec, prompt)
+        assert got.token_ids == expected
+        assert len(expected) == 48
+        assert sum(got.stats.acceptance_lengths) + 1 == 48  # the prefill token plus every step's
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7, 16])
+@pytest.mark.parametrize("keep", [0.0, 0.6, 1.0])
+def test_oracle_drafter_partial_full_and_zero_acceptance(target, block_size, keep):
+    plain = Engine(target)
+    for prompt in PROMPTS:
+        truth = greedy(plain, prompt, n=60).token_ids
+        oracle = OracleDraft(tiny_draft(target, block_size=block_size), truth, len(prompt), keep, seed=3)
+        got = greedy(Engine(target, oracle), prompt, n=60)
+        assert got.token_ids == truth
+        lengths = got.stats.acceptance_lengths
+        if keep == 1.0:  # every draft accepted: full blocks except where the length limit cuts
+            assert max(lengths) == block_size and sorted(lengths)[len(lengths) // 2] == block_size
+        elif keep == 0.0:
+            assert set(lengths) == {1}
+        elif block_size >= 4:
+            assert 1 < got.stats.tau < block_size
+
+
+def test_fewer_block_sizes_at_inference_than_training(target):
+    """A drafter trained with B=16 may run with smaller blocks; output stays identical."""
+    draft = tiny_draft(target, block_size=16)
+    plain = greedy(Engine(target), PROMPTS[2]).token_ids
+    for b in (1, 2, 9, 16):
+        assert greedy(Engine(target, draft), PROMPTS[2], block_size=b).token_ids == plain
+
+
+def test_stop_token_and_length_limit():
+    target = tiny_target("llama")
+    plain = Engine(target)
+    free = greedy(plain, PROMPTS[0], n=30).token_ids
+    stop = free[10]
+    first = free.index(stop)
+    cfg = GenerationConfig(max_new_tokens=30, stop_token_ids=(stop,))
+    truth = free[: first + 1]
+    oracle = OracleDraft(tiny_draft(target, block_size=8), free, len(PROMPTS[0]), 1.0)
+    for engine in (plain, Engine(target, oracle)):
+        res = engine.generate(PROMPTS[0], cfg)
+        assert res.token_ids == truth and res.finish_reason == "stop"
+    res = Engine(target, oracle).generate(PROMPTS[0], GenerationConfig(max_new_tokens=7, stop_token_ids=()))
+    assert res.token_ids == free[:7] and res.finish_reason == "length"
