@@ -118,6 +118,28 @@ def cmd_data(out: str, source: str, target: str, responses: str, limit: int, bat
                   heldout_percent)
 
 
+def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
+              block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
+              device: str | None) -> None:
+    from .bench import METHODS, dump, format_table, run_bench
+    from .benchdata import load_prompts
+
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown or not chosen:
+        raise BlockdraftError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    texts = load_prompts(dataset, limit)
+    engine = load_engine(target, draft, device)
+    if "dflash" in chosen and engine.draft is None:
+        raise BlockdraftError("method dflash needs a drafter (--draft PATH, or a bundled one)")
+    prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
+    report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup)
+    report["dataset"] = dataset
+    print(format_table(report))
+    if as_json:
+        Path(as_json).write_text(dump(report) + "\n")
+
+
 def cmd_train(resume: bool, **kwargs) -> None:
     from .train import TrainConfig, train
 
@@ -179,6 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=192)
     d.add_argument("--heldout-percent", type=float, default=2.0)
 
+    b = sub.add_parser("bench", help="tokens/s and tau of methods side by side, same prompts, same process")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--draft", default=None)
+    b.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or a JSONL of {\"prompt\": ...}")
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--methods", default="dflash,ar,hf")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
+    b.add_argument("--device", default=None)
+
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
     _add_train_args(t)
     return p
@@ -188,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     try:
-        {"generate": cmd_generate, "data": cmd_data, "train": cmd_train}[command](**args)
+        {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)
         return 2

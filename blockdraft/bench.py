@@ -1,0 +1,132 @@
+"""`blockdraft bench`: methods side by side in one process, on the same prompts, interleaved
+prompt by prompt after a warm-up, with an identical-output check at temperature 0.
+
+Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), `hf`
+(transformers `generate`, as a user would call it). Speedups are ratios of end-to-end tokens/s
+(prefill included) measured in this run; `decode_tok_s` excludes prefill where it is known.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .decoding import Engine, GenerationConfig
+from .verify import SamplingParams
+
+METHODS = ("dflash", "ar", "hf")
+
+
+@dataclass
+class MethodResult:
+    tokens: int = 0
+    seconds: float = 0.0  # end to end, prefill included
+    decode_seconds: float = 0.0  # after the first token (our engine only)
+    decode_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)  # per request
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def summary(self, block_size: int) -> dict:
+        hist = [0] * block_size
+        for a in self.acceptance_lengths:
+            hist[min(a, block_size) - 1] += 1
+        return {
+            "tokens": self.tokens, "seconds": round(self.seconds, 3),
+            "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+            "decode_tok_s": round(self.decode_tokens / self.decode_seconds, 2) if self.decode_seconds else None,
+            "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
+            "acceptance_histogram": hist,
+        }
+
+
+def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
+    t0 = time.perf_counter()
+    out = engine.generate(ids, cfg)
+    res.seconds += time.perf_counter() - t0
+    res.tokens += out.num_new_tokens
+    res.decode_seconds += out.stats.decode_seconds
+    res.decode_tokens += max(out.num_new_tokens - 1, 0)
+    res.acceptance_lengths += out.stats.acceptance_lengths
+    res.taus.append(out.stats.tau)
+    return out.token_ids
+
+
+def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
+    s = cfg.sampling
+    kwargs = dict(do_sample=False) if s.greedy else dict(do_sample=True, temperature=s.temperature,
+                                                         top_k=s.top_k or None, top_p=s.top_p)
+    stop = target.stop_token_ids
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(
+            torch.tensor([ids], device=target.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                                 device=target.device),
+            max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
+            pad_token_id=stop[0] if stop else 0, **kwargs,
+        )[0, len(ids):].tolist()
+    res.seconds += time.perf_counter() - t0
+    res.tokens += len(out)
+    res.taus.append(1.0)
+    return out
+
+
+def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_tokens: int = 256,
+              block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
+              progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
+                           sampling=SamplingParams(temperature=temperature, seed=0))
+    engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
+    if "dflash" in methods and draft is None:
+        raise ValueError("method dflash needs a drafter")
+
+    def run(method, ids, res):
+        if method == "hf":
+            return _run_hf(target, ids, cfg, res)
+        return _run_engine(engines[method], ids, cfg, res)
+
+    for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
+        for m in methods:
+            run(m, ids, MethodResult())
+    results = {m: MethodResult() for m in methods}
+    for i, ids in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first
+        for m in order:
+            results[m].outputs.append(run(m, ids, results[m]))
+    b = block_size or (draft.block_size if draft is not None else 1)
+    report = {m: r.summary(b) for m, r in results.items()}
+    mismatches = []
+    if temperature == 0 and "hf" in results:
+        ref = results["hf"].outputs
+        for m, r in results.items():
+            for i, (a, h) in enumerate(zip(r.outputs, ref)):
+                if a != h:
+                    mismatches.append({"method": m, "prompt": i})
+    for base in ("hf", "ar"):
+        if base in report and report[base]["tok_s"]:
+            for m in report:
+                if report[m]["tok_s"]:
+                    report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
+    return {"methods": report, "mismatches": mismatches, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "block_size": b, "temperature": temperature, "device": str(target.device)}
+
+
+def format_table(report: dict) -> str:
+    cols = ["tok_s", "decode_tok_s", "tau", "speedup_vs_hf", "speedup_vs_ar"]
+    lines = ["method  " + "".join(f"{c:>15}" for c in cols)]
+    for m, r in report["methods"].items():
+        lines.append(f"{m:<8}" + "".join(f"{str(r.get(c, '-')):>15}" for c in cols))
+    if report["mismatches"]:
+        lines.append(f"!!! OUTPUT MISMATCH against hf: {report['mismatches'][:10]}")
+    else:
+        lines.append("outputs identical across methods" if report["temperature"] == 0 else "")
+    return "\n".join(lines)
+
+
+def dump(report: dict) -> str:
+    return json.dumps(report)

@@ -1,0 +1,52 @@
+"""The benchmark harness itself (timings are benchmarks, not tests)."""
+
+import json
+
+import pytest
+
+from blockdraft import bench
+from blockdraft.benchdata import load_prompts
+from blockdraft.errors import BlockdraftError
+
+from conftest import tiny_draft, tiny_target
+
+
+def test_datasets_load_offline(tmp_path):
+    he = load_prompts("humaneval")
+    assert len(he) == 164 and "def has_close_elements" in he[0] and he[0].startswith("Write a solution")
+    mt = load_prompts("mt-bench")
+    assert len(mt) == 80 and "Hawaii" in mt[0]
+    assert len(load_prompts("mt-bench", limit=5)) == 5
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert load_prompts(str(f)) == ["a", "b"]
+    with pytest.raises(BlockdraftError, match="unknown dataset"):
+        load_prompts("nope")
+
+
+def test_report_schema_and_identical_outputs():
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=4)
+    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=12, progress=False)
+    json.loads(bench.dump(report))
+    assert report["mismatches"] == []
+    for m in ("dflash", "ar", "hf"):
+        r = report["methods"][m]
+        assert r["tokens"] == 24 and r["tok_s"] > 0 and "speedup_vs_hf" in r and "speedup_vs_ar" in r
+        assert len(r["acceptance_histogram"]) == 4
+    assert report["methods"]["ar"]["tau"] == 1.0
+    assert "outputs identical" in bench.format_table(report)
+
+
+def test_a_planted_difference_is_caught(monkeypatch):
+    target = tiny_target("llama")
+    real = bench._run_engine
+
+    def corrupt(engine, ids, cfg, res):
+        out = real(engine, ids, cfg, res)
+        return out[:-1] + [(out[-1] + 1) % 96] if engine.draft is not None else out
+
+    monkeypatch.setattr(bench, "_run_engine", corrupt)
+    report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], max_new_tokens=8, progress=False)
+    assert report["mismatches"] == [{"method": "dflash", "prompt": 0}]
+    assert "MISMATCH" in bench.format_table(report)
