@@ -72,14 +72,20 @@ def build_feature_cache(
     mode = "r+" if path.exists() and done > 0 else "w+"
     array = np.memmap(path, dtype=np.float16, mode=mode, shape=(max(offsets[-1], 1), width))
     bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=f"features ({split})", unit="seq")
-    for i in range(done, len(samples)):
-        ids = torch.tensor([samples[i]["input_ids"]], device=target.device)
-        out = target.forward(ids, target.new_cache(), tap_ids, logits_at=1)
-        array[offsets[i] : offsets[i + 1]] = out.taps[0].float().cpu().numpy().astype(np.float16)
-        bar.update(1)
-        if (i + 1) % chunk == 0 or i + 1 == len(samples):
-            array.flush()  # data first, then the progress marker that vouches for it
-            prog_path.write_text(json.dumps({"done": i + 1}))
+    for lo in range(done, len(samples), chunk):
+        group = samples[lo : lo + chunk]
+        # Right padding needs no attention mask: causal attention never looks at later pads.
+        width = max(len(s["input_ids"]) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        for r, s in enumerate(group):
+            ids[r, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        taps = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=1).taps
+        for r, s in enumerate(group):
+            i = lo + r
+            array[offsets[i] : offsets[i + 1]] = taps[r, : len(s["input_ids"])].float().cpu().numpy()
+        array.flush()  # data first, then the progress marker that vouches for it
+        prog_path.write_text(json.dumps({"done": lo + len(group)}))
+        bar.update(len(group))
     bar.close()
     if not prog_path.exists():
         prog_path.write_text(json.dumps({"done": len(samples)}))

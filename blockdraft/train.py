@@ -45,6 +45,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     tap_norm: bool = True  # divide each tap channel by its RMS (folded into fc on export)
     init: str = "random"  # "random" or "target" (draft layers copied from the target's last ones)
+    head_vocab: int = 0  # 0: full-vocabulary loss; n: the n most frequent response tokens plus
+    #                      n/2 random others per step (a sampled softmax: the LM head dominates cost)
     features: str = "cache"  # "cache" (fp16 on disk) or "online"
     max_seq_len: int = 512
     seed: int = 0
@@ -127,8 +129,26 @@ def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for)
     return Batch(taps, block_ids, positions, labels, weights, mask)
 
 
-def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.Tensor | None):
-    """Weighted CE sum, weight sum and per-position correct counts for one packed batch."""
+def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
+    """The n most frequent response tokens of the training data, sorted by id."""
+    ids = torch.tensor([t for smp in samples for t, m in zip(smp["input_ids"], smp["loss_mask"]) if m])
+    counts = torch.bincount(ids, minlength=vocab)
+    return counts.topk(min(n, int((counts > 0).sum()))).indices.sort().values
+
+
+def head_rows(frequent: torch.Tensor | None, vocab: int, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
+    """Vocabulary rows for this step's loss: the frequent tokens, this batch's labels (so every
+    label is in the softmax) and random negatives. None = the full vocabulary."""
+    if frequent is None:
+        return None
+    others = torch.randint(0, vocab, (frequent.shape[0] // 2,), generator=gen)
+    return torch.unique(torch.cat([frequent, labels.flatten().cpu(), others]))
+
+
+def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.Tensor | None,
+                     rows: torch.Tensor | None = None):
+    """Weighted CE sum, weight sum and per-position correct counts for one packed batch.
+    rows: restrict the softmax to these vocabulary rows (sorted ids containing every label)."""
     dev = target.device
     taps = batch.taps.to(dev)
     if tap_scale is not None:
@@ -142,8 +162,13 @@ def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.T
     hidden = hidden.view(bs, nb // B, B, H)[:, :, 1:]  # [Bs, N, B-1, H]: positions 1..B-1 predict
     weights = batch.weights.to(dev)
     keep = weights > 0
-    logits = target.lm_head(hidden[keep])  # [M, V]
     labels = batch.labels.to(dev)[keep]
+    if rows is None:
+        logits = target.lm_head(hidden[keep])  # [M, V]
+    else:
+        rows = rows.to(dev)
+        logits = hidden[keep] @ target.lm_head.weight[rows].T  # [M, |rows|]
+        labels = torch.searchsorted(rows, labels)  # position of each label among the rows
     ce = F.cross_entropy(logits.float(), labels, reduction="none")
     correct = torch.zeros(B - 1, device=dev)
     pos = torch.arange(B - 1, device=dev).expand_as(weights)[keep]
@@ -283,6 +308,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
+    frequent = frequent_tokens(samples, cfg.head_vocab, target.vocab_size) if cfg.head_vocab else None
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, elapsed = 0, 0.0
     if resume and state_dir.exists():
@@ -313,7 +339,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         model.train()
-        loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale)
+        rows = head_rows(frequent, target.vocab_size, batch.labels,
+                         torch.Generator().manual_seed(cfg.seed * 104_729 + step))
+        loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale, rows)
         total_w = w_sum.detach().clone()
         if world > 1:  # normalise by the global batch's weight, so N ranks == 1 process
             torch.distributed.all_reduce(total_w)
