@@ -110,6 +110,31 @@ def cmd_generate(
               file=sys.stderr)
 
 
+def cmd_init(target: str, out: str, num_layers: int, block_size: int, target_layer_ids: str | None,
+             mask_token_id: int | None, seed: int) -> None:
+    """Write a fresh (untrained) drafter sized for the target."""
+    import torch
+
+    from .checkpoint import check_fits, save_draft
+    from .draft import DraftModel, build_draft_config, init_scale_check
+    from .target import default_mask_token_id, load_target
+
+    tgt = load_target(target, device="cpu")
+    try:
+        taps = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+    except ValueError as err:
+        raise BlockdraftError(f"--target-layer-ids must be comma-separated integers ({target_layer_ids!r})") from err
+    cfg = build_draft_config(tgt.config, num_layers, block_size, taps,
+                             default_mask_token_id(tgt) if mask_token_id is None else mask_token_id,
+                             vocab_size=tgt.vocab_size)
+    init_scale_check(cfg)
+    check_fits(cfg, tgt)
+    torch.manual_seed(seed)
+    save_draft(DraftModel(cfg), out)
+    print(f"fresh drafter ({num_layers} layers, block {block_size}, taps {cfg.target_layer_ids}, "
+          f"mask id {cfg.mask_token_id}) written to {out}")
+
+
 def cmd_data(out: str, source: str, target: str, responses: str, limit: int, batch_size: int,
              max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float) -> None:
     from .data import generate_data
@@ -190,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 
+    i = sub.add_parser("init", help="write a fresh, untrained drafter for a target")
+    i.add_argument("--target", default="smollm2-135m")
+    i.add_argument("--out", required=True)
+    i.add_argument("--num-layers", type=int, default=5)
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--target-layer-ids", default=None, help="comma-separated, default: the paper's spread")
+    i.add_argument("--mask-token-id", type=int, default=None)
+    i.add_argument("--seed", type=int, default=0)
+
     d = sub.add_parser("data", help="regenerate training responses with the target")
     d.add_argument("--out", required=True, help="output directory (resumable)")
     d.add_argument("--source", default="sharegpt", help="'sharegpt' or a JSONL of prompts / messages")
@@ -223,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     try:
-        {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}[command](**args)
+        {"generate": cmd_generate, "init": cmd_init, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)
         return 2

@@ -207,7 +207,9 @@ def decode_steps(
         committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
         Target.rollback(cache, position + 1 + accepted)
         if taps:
-            pending_taps = out.taps[:, : 1 + accepted]
+            new_taps = out.taps[:, : 1 + accepted]
+            # a plain step (block 1) ran no draft, so earlier pending context is still pending
+            pending_taps = new_taps if drafts is not None else torch.cat([pending_taps, new_taps], dim=1)
         position += 1 + accepted
         anchor = next_token
         emitted = stopper.clip(committed)

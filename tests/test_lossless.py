@@ -68,3 +68,35 @@ def test_stop_token_and_length_limit():
         assert res.token_ids == truth and res.finish_reason == "stop"
     res = Engine(target, oracle).generate(PROMPTS[0], GenerationConfig(max_new_tokens=7, stop_token_ids=()))
     assert res.token_ids == free[:7] and res.finish_reason == "length"
+
+
+def test_plain_steps_inside_speculative_decoding_keep_the_draft_context(monkeypatch):
+    """Steps of block 1 (no draft) between drafted steps must not lose pending draft context:
+    the draft then sees exactly the context a from-scratch forward would."""
+    import blockdraft.decoding as D
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=6)
+    seen = []
+    real = type(draft).block_logits
+
+    def spy(self, embed, head, cache, taps, anchor, position, block):
+        seen.append((cache.length + taps.shape[1], position))
+        return real(self, embed, head, cache, taps, anchor, position, block)
+
+    monkeypatch.setattr(type(draft), "block_logits", spy)
+    plain = greedy(Engine(target), PROMPTS[0], n=30).token_ids
+    calls = {"n": 0}
+    real_min = min
+
+    def every_third_step_plain(*args):  # force block 1 on every third step
+        if len(args) == 3 and args[0] == 6:
+            calls["n"] += 1
+            if calls["n"] % 3 == 0:
+                return 1
+        return real_min(*args)
+
+    monkeypatch.setattr(D, "min", every_third_step_plain, raising=False)
+    assert greedy(Engine(target, draft), PROMPTS[0], n=30).token_ids == plain
+    assert calls["n"] > 3 and seen
+    assert all(ctx == pos for ctx, pos in seen)  # context always reaches up to the anchor
