@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from .adaptive import AdaptiveBlockPolicy
 from .checkpoint import check_fits
 from .draft import DraftCache, DraftModel
 from .errors import BlockdraftError
@@ -25,7 +26,8 @@ from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, ve
 class GenerationConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    block_size: int | None = None  # None: the drafter's own block size
+    block_size: int | None = None  # None: adaptive up to the drafter's block size (see adaptive.py)
+    adaptive: bool = True  # with block_size None: choose each step's block; False: always the drafter's
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
@@ -163,6 +165,9 @@ def decode_steps(
         gen = torch.Generator(device=target.device)
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
     block_size = 1 if draft is None else (config.block_size or draft.block_size)
+    policy = None
+    if draft is not None and config.block_size is None and config.adaptive:
+        policy = AdaptiveBlockPolicy(block_size)
     taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     stopper = _Stopper(target, config, budget)
@@ -185,7 +190,9 @@ def decode_steps(
     t0 = time.perf_counter()
     while stopper.finish_reason is None:
         # 2. Draft: never propose more than the budget or the context can take.
-        block = min(block_size, budget - len(stopper.generated) + 1, target.max_context - position)
+        t_step = time.perf_counter()
+        cap = policy.choose() if policy is not None else block_size
+        block = min(cap, budget - len(stopper.generated) + 1, target.max_context - position)
         drafts = q = None
         if block > 1:
             draft_logits = draft.block_logits(
@@ -212,6 +219,8 @@ def decode_steps(
             pending_taps = new_taps if drafts is not None else torch.cat([pending_taps, new_taps], dim=1)
         position += 1 + accepted
         anchor = next_token
+        if policy is not None:
+            policy.update(block, accepted, time.perf_counter() - t_step)
         emitted = stopper.clip(committed)
         stats.acceptance_lengths.append(len(emitted))
         stats.drafted += block - 1

@@ -1,0 +1,74 @@
+"""Adaptive block size: choose each step's block from running acceptance statistics and the
+measured cost of a step, to maximise expected tokens per second, down to plain decoding (B=1).
+
+The output never depends on the block size (verification is lossless for any block), so this
+changes speed only. Model:
+  expected tokens of a block b:  E(b) = 1 + sum_{k=1}^{b-1} prod_{j<=k} alpha_j
+  where alpha_j = P(draft j accepted | drafts 1..j-1 accepted), counted per position with a prior;
+  cost of a step with block b:   c(b), measured online (EMA) for the blocks actually run, and
+  interpolated linearly between b=1 and the largest block for the others.
+The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
+runs plain steps it still probes the full block every `probe_every` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AdaptiveBlockPolicy:
+    max_block: int
+    probe_every: int = 16
+    prior_accept: float = 0.5  # prior mean of each alpha_j, weight `prior_weight` observations
+    prior_weight: float = 2.0
+    ema: float = 0.3
+    tried: list[int] = field(default_factory=list)  # per position j: steps that reached draft j
+    passed: list[float] = field(default_factory=list)  # ... and accepted it
+    cost: dict[int, float] = field(default_factory=dict)  # block -> EMA seconds per step
+    steps_since_probe: int = 0
+
+    def __post_init__(self):
+        self.tried = [0] * self.max_block
+        self.passed = [0.0] * self.max_block
+
+    def alphas(self) -> list[float]:
+        w, m = self.prior_weight, self.prior_accept
+        return [(self.passed[j] + w * m) / (self.tried[j] + w) for j in range(1, self.max_block)]
+
+    def expected_tokens(self, block: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.alphas()[: block - 1]:
+            run *= a
+            total += run
+        return total
+
+    def step_cost(self, block: int) -> float | None:
+        if block in self.cost:
+            return self.cost[block]
+        lo, hi = self.cost.get(1), self.cost.get(self.max_block)
+        if lo is None or hi is None:
+            return None
+        return lo + (hi - lo) * (block - 1) / max(1, self.max_block - 1)
+
+    def choose(self) -> int:
+        # Measure both ends of the cost curve first: the full block, then a plain step.
+        if self.max_block not in self.cost:
+            return self.max_block
+        if 1 not in self.cost:
+            return 1
+        best = max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.step_cost(b))
+        if best == 1:
+            self.steps_since_probe += 1
+            if self.steps_since_probe >= self.probe_every:
+                self.steps_since_probe = 0
+                return self.max_block
+        return best
+
+    def update(self, block: int, accepted: int, seconds: float) -> None:
+        """Record a step: drafts 1..accepted passed, draft accepted+1 (if any) failed."""
+        for j in range(1, min(accepted + 2, block)):
+            self.tried[j] += 1
+            self.passed[j] += 1.0 if j <= accepted else 0.0
+        old = self.cost.get(block)
+        self.cost[block] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds

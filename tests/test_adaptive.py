@@ -1,0 +1,58 @@
+"""Adaptive block size: the policy's choices, and losslessness with it on."""
+
+import pytest
+
+from blockdraft.adaptive import AdaptiveBlockPolicy
+from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.oracle import OracleDraft
+
+from conftest import tiny_draft, tiny_target
+
+
+def simulate(accept_run: int, block_cost, steps=60, max_block=16):
+    """Feed the policy steps where the first `accept_run` drafts are accepted."""
+    policy = AdaptiveBlockPolicy(max_block)
+    chosen = []
+    for _ in range(steps):
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, min(accept_run, b - 1), block_cost(b))
+    return chosen[-20:]
+
+
+def cpu_like(b):  # verifying 16 tokens costs ~2.2x a one-token step, plus the draft's forward
+    return 1.0 if b == 1 else 1.0 + 1.2 * (b - 1) / 15 + 0.6
+
+
+def test_poor_acceptance_chooses_plain_decoding():
+    tail = simulate(0, cpu_like)
+    assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe
+
+
+def test_high_acceptance_chooses_a_large_block():
+    tail = simulate(15, cpu_like)
+    assert min(tail) >= 12
+
+
+def test_middling_acceptance_chooses_a_middling_block():
+    tail = simulate(3, cpu_like)
+    assert all(2 <= b <= 8 for b in tail)
+
+
+def test_expected_tokens_formula():
+    p = AdaptiveBlockPolicy(4, prior_weight=0.0)
+    p.tried, p.passed = [0, 10, 10, 10], [0, 5.0, 5.0, 10.0]
+    assert p.expected_tokens(1) == 1.0
+    assert p.expected_tokens(4) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.7, 1.0])
+def test_adaptive_decoding_is_lossless(keep):
+    target = tiny_target("qwen3")
+    prompt = [3, 9, 27, 81 % 96]
+    truth = Engine(target).generate(prompt, GenerationConfig(max_new_tokens=80, stop_token_ids=())).token_ids
+    oracle = OracleDraft(tiny_draft(target, block_size=8), truth, len(prompt), keep, seed=5)
+    got = Engine(target, oracle).generate(prompt, GenerationConfig(max_new_tokens=80, stop_token_ids=()))
+    assert got.token_ids == truth
+    if keep == 1.0:
+        assert got.stats.tau > 3
