@@ -256,7 +256,8 @@ def heldout_tau(draft, target, samples, n_prompts: int, max_new: int) -> float:
     taus = []
     for s in samples[:n_prompts]:
         prompt = [t for t, m in zip(s["input_ids"], s["loss_mask"]) if not m]
-        taus.append(engine.generate(prompt, GenerationConfig(max_new_tokens=max_new)).stats.tau)
+        cfg = GenerationConfig(max_new_tokens=max_new, block_size=draft.block_size)  # fixed block: true tau
+        taus.append(engine.generate(prompt, cfg).stats.tau)
     return sum(taus) / max(1, len(taus))
 
 
