@@ -166,7 +166,10 @@ def decode_steps(
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
     block_size = 1 if draft is None else (config.block_size or draft.block_size)
     policy = None
-    if draft is not None and config.block_size is None and config.adaptive:
+    # Block choices follow measured timings; with a sampling seed they must not, or the same
+    # seed could give different text (the draws would fall differently), so a seed fixes B.
+    reproducible = not params.greedy and params.seed is not None
+    if draft is not None and config.block_size is None and config.adaptive and not reproducible:
         policy = AdaptiveBlockPolicy(block_size)
     taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))

@@ -22,6 +22,10 @@ def _tap_tag(tap_ids: list[int]) -> str:
     return "taps-" + "-".join(str(i) for i in tap_ids)
 
 
+def feature_dir(data_dir: str | os.PathLike, split: str, tap_ids: list[int]) -> Path:
+    return Path(data_dir) / f"features-{split}-{_tap_tag(tap_ids)}"
+
+
 class CachedFeatures:
     """Read side of the cache: `get(i)` -> fp32 tensor [S_i, K*H] of sample i."""
 
@@ -58,7 +62,7 @@ def build_feature_cache(
     """Write (or finish writing) the fp16 feature cache of `samples`; return its reader."""
     from tqdm import tqdm
 
-    directory = Path(data_dir) / f"features-{split}-{_tap_tag(tap_ids)}"
+    directory = feature_dir(data_dir, split, tap_ids)
     directory.mkdir(parents=True, exist_ok=True)
     width = len(tap_ids) * target.hidden_size
     offsets = np.concatenate([[0], np.cumsum([len(s["input_ids"]) for s in samples])]).tolist()

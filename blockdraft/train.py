@@ -277,7 +277,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     from tqdm import tqdm
 
     from .data import load_samples
-    from .features import OnlineFeatures, build_feature_cache, tap_channel_scale
+    from .features import CachedFeatures, OnlineFeatures, build_feature_cache, feature_dir, tap_channel_scale
     from .target import default_mask_token_id, load_target
 
     rank, world = _dist()
@@ -301,11 +301,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     if cfg.init == "target":
         init_from_target(draft, target)
     if cfg.features == "cache":
-        if rank == 0:
+        if rank == 0:  # one writer; the other ranks wait, then only read
             feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
         if world > 1:
             torch.distributed.barrier()
-        feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, False)
+            feats = CachedFeatures(feature_dir(cfg.data, "train", dcfg.target_layer_ids))
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
