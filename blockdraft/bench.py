@@ -2,7 +2,9 @@
 prompt by prompt after a warm-up, with an identical-output check at temperature 0.
 
 Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), `hf`
-(transformers `generate`, as a user would call it). Speedups are ratios of end-to-end tokens/s
+(transformers `generate`, as a user would call it), `oracle` (the drafter's real forward, but
+proposing the target's own greedy continuation, each token kept with probability
+`oracle_keep`: the engine's speed at a controlled tau, apart from drafter quality). Speedups are ratios of end-to-end tokens/s
 (prefill included) measured in this run; `decode_tok_s` excludes prefill where it is known.
 """
 
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoding import Engine, GenerationConfig
+from .oracle import OracleDraft
 from .verify import SamplingParams
 
-METHODS = ("dflash", "ar", "hf")
+METHODS = ("dflash", "ar", "hf", "oracle")
 
 
 @dataclass
@@ -76,18 +79,26 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
 
 def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
-              progress: bool = True) -> dict:
+              progress: bool = True, oracle_keep: float = 0.9) -> dict:
     from tqdm import tqdm
 
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
     engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
-    if "dflash" in methods and draft is None:
-        raise ValueError("method dflash needs a drafter")
+    if ("dflash" in methods or "oracle" in methods) and draft is None:
+        raise ValueError("methods dflash and oracle need a drafter")
+
+    truth: dict[tuple, list[int]] = {}  # greedy continuation per prompt, for the oracle
 
     def run(method, ids, res):
         if method == "hf":
             return _run_hf(target, ids, cfg, res)
+        if method == "oracle":
+            key = tuple(ids)
+            if key not in truth:  # computed beforehand, outside the timing
+                truth[key] = engines["ar"].generate(ids, cfg).token_ids
+            oracle = OracleDraft(draft, truth[key], len(ids), oracle_keep, seed=len(truth))
+            return _run_engine(Engine(target, oracle), ids, cfg, res)
         return _run_engine(engines[method], ids, cfg, res)
 
     for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
@@ -113,6 +124,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
                 if report[m]["tok_s"]:
                     report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
     return {"methods": report, "mismatches": mismatches, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "oracle_keep": oracle_keep if "oracle" in methods else None,
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 

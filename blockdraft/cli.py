@@ -145,7 +145,7 @@ def cmd_data(out: str, source: str, target: str, responses: str, limit: int, bat
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
-              device: str | None) -> None:
+              device: str | None, oracle_keep: float) -> None:
     from .bench import METHODS, dump, format_table, run_bench
     from .benchdata import load_prompts
 
@@ -155,10 +155,13 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         raise BlockdraftError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     texts = load_prompts(dataset, limit)
     engine = load_engine(target, draft, device)
-    if "dflash" in chosen and engine.draft is None:
-        raise BlockdraftError("method dflash needs a drafter (--draft PATH, or a bundled one)")
+    if ("dflash" in chosen or "oracle" in chosen) and engine.draft is None:
+        raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
+    if not 0 <= oracle_keep <= 1:
+        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
-    report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup)
+    report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
+                       oracle_keep=oracle_keep)
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
@@ -247,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)
+    b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right")
 
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
     _add_train_args(t)

@@ -27,10 +27,12 @@ def test_datasets_load_offline(tmp_path):
 def test_report_schema_and_identical_outputs():
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=4)
-    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=12, progress=False)
+    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=12, progress=False,
+                             oracle_keep=1.0)
     json.loads(bench.dump(report))
     assert report["mismatches"] == []
-    for m in ("dflash", "ar", "hf"):
+    assert report["methods"]["oracle"]["tau"] > 2
+    for m in ("dflash", "ar", "hf", "oracle"):
         r = report["methods"][m]
         assert r["tokens"] == 24 and r["tok_s"] > 0 and "speedup_vs_hf" in r and "speedup_vs_ar" in r
         assert len(r["acceptance_histogram"]) == 4
@@ -47,6 +49,7 @@ def test_a_planted_difference_is_caught(monkeypatch):
         return out[:-1] + [(out[-1] + 1) % 96] if engine.draft is not None else out
 
     monkeypatch.setattr(bench, "_run_engine", corrupt)
-    report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], max_new_tokens=8, progress=False)
+    report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], ("dflash", "ar", "hf"), max_new_tokens=8,
+                             progress=False)
     assert report["mismatches"] == [{"method": "dflash", "prompt": 0}]
     assert "MISMATCH" in bench.format_table(report)
