@@ -77,6 +77,54 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
     return out
 
 
+@torch.inference_mode()
+def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats: int = 5) -> dict:
+    """Seconds of a target forward over b new tokens (b = 1..B, after the prompt) and of one
+    draft forward for a block of B: the cost model behind the ceiling speedup."""
+    from .draft import DraftCache
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    cache = target.new_cache()
+    taps = draft.cfg.target_layer_ids if draft is not None else None
+    out = target.forward(torch.tensor([prompt_ids], device=target.device), cache, taps, logits_at=1)
+    n = len(prompt_ids)
+    t_target = {}
+    for b in range(1, block_size + 1):
+        ids = torch.zeros(1, b, dtype=torch.long, device=target.device)
+
+        def verify(ids=ids):
+            target.forward(ids, cache, taps)
+            target.rollback(cache, n)
+
+        t_target[b] = timed(verify)
+    t_draft = 0.0
+    if draft is not None:
+        dcache = DraftCache(len(draft.layers))
+        draft.block_logits(target.embed_tokens, target.lm_head, dcache, out.taps, 0, n, block_size)
+        empty = out.taps[:, :0]
+        t_draft = timed(lambda: draft.block_logits(target.embed_tokens, target.lm_head, dcache, empty, 0, n,
+                                                   block_size))
+    return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
+
+
+def ceiling_speedup(costs: dict, tau: float) -> float:
+    """tau * t(1) / (t_verify(B) + t_draft): the speedup over plain decoding if nothing but the
+    two forwards cost time."""
+    b = costs["block_size"]
+    return tau * costs["t_target"][1] / (costs["t_target"][b] + costs["t_draft"])
+
+
 def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9) -> dict:
@@ -111,6 +159,10 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
             results[m].outputs.append(run(m, ids, results[m]))
     b = block_size or (draft.block_size if draft is not None else 1)
     report = {m: r.summary(b) for m, r in results.items()}
+    costs = measure_costs(target, draft, prompts[0], b)
+    for m in ("dflash", "oracle"):
+        if m in report and report[m]["tau"]:
+            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, report[m]["tau"]), 3)
     mismatches = []
     if temperature == 0 and "hf" in results:
         ref = results["hf"].outputs
@@ -125,14 +177,15 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
                     report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
     return {"methods": report, "mismatches": mismatches, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "oracle_keep": oracle_keep if "oracle" in methods else None,
+            "cost_model_seconds": {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"]},
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 
 def format_table(report: dict) -> str:
-    cols = ["tok_s", "decode_tok_s", "tau", "speedup_vs_hf", "speedup_vs_ar"]
-    lines = ["method  " + "".join(f"{c:>15}" for c in cols)]
+    cols = ["tok_s", "decode_tok_s", "tau", "speedup_vs_hf", "speedup_vs_ar", "ceiling_speedup_vs_ar"]
+    lines = ["method  " + "".join(f"{c:>22}" for c in cols)]
     for m, r in report["methods"].items():
-        lines.append(f"{m:<8}" + "".join(f"{str(r.get(c, '-')):>15}" for c in cols))
+        lines.append(f"{m:<8}" + "".join(f"{str(r.get(c, '-')):>22}" for c in cols))
     if report["mismatches"]:
         lines.append(f"!!! OUTPUT MISMATCH against hf: {report['mismatches'][:10]}")
     else:

@@ -92,8 +92,8 @@ class DraftAttention(nn.Module):
 
     def _kv(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.cfg.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
         return apply_rope(k, cos_sin), v  # [B, Hkv, T, D] each
 
     def context_kv(self, c: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:

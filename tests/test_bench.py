@@ -32,6 +32,9 @@ def test_report_schema_and_identical_outputs():
     json.loads(bench.dump(report))
     assert report["mismatches"] == []
     assert report["methods"]["oracle"]["tau"] > 2
+    assert report["methods"]["oracle"]["ceiling_speedup_vs_ar"] > 0
+    costs = report["cost_model_seconds"]["target_forward_by_tokens"]
+    assert sorted(costs) == [1, 2, 3, 4] and report["cost_model_seconds"]["draft_forward"] > 0
     for m in ("dflash", "ar", "hf", "oracle"):
         r = report["methods"][m]
         assert r["tokens"] == 24 and r["tok_s"] > 0 and "speedup_vs_hf" in r and "speedup_vs_ar" in r
