@@ -106,6 +106,7 @@ def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dty
             save_file(payload, tmp, metadata={"format": "pt"})
         else:
             Path(tmp).write_text(json.dumps(payload, indent=2) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a checkpoint is meant to be shared
         os.replace(tmp, directory / name)
     return directory
 
