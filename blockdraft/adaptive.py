@@ -8,7 +8,9 @@ changes speed only. Model:
   cost of a step with block b:   c(b), measured online (EMA) for the blocks actually run, and
   interpolated linearly between b=1 and the largest block for the others.
 The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
-runs plain steps it still probes the full block every `probe_every` steps.
+runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
+an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), so a
+drafter that never helps costs almost nothing, and resets when a probe is accepted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 class AdaptiveBlockPolicy:
     max_block: int
     probe_every: int = 16
+    max_probe_every: int = 256
     prior_accept: float = 0.5  # prior mean of each alpha_j, weight `prior_weight` observations
     prior_weight: float = 2.0
     ema: float = 0.3
@@ -27,10 +30,13 @@ class AdaptiveBlockPolicy:
     passed: list[float] = field(default_factory=list)  # ... and accepted it
     cost: dict[int, float] = field(default_factory=dict)  # block -> EMA seconds per step
     steps_since_probe: int = 0
+    interval: int = 0  # current probe interval (starts at probe_every)
+    probing: bool = False
 
     def __post_init__(self):
         self.tried = [0] * self.max_block
         self.passed = [0.0] * self.max_block
+        self.interval = self.probe_every
 
     def alphas(self) -> list[float]:
         w, m = self.prior_weight, self.prior_accept
@@ -60,13 +66,17 @@ class AdaptiveBlockPolicy:
         best = max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.step_cost(b))
         if best == 1:
             self.steps_since_probe += 1
-            if self.steps_since_probe >= self.probe_every:
+            if self.steps_since_probe >= self.interval:
                 self.steps_since_probe = 0
+                self.probing = True
                 return self.max_block
         return best
 
     def update(self, block: int, accepted: int, seconds: float) -> None:
         """Record a step: drafts 1..accepted passed, draft accepted+1 (if any) failed."""
+        if self.probing:
+            self.probing = False
+            self.interval = self.probe_every if accepted else min(2 * self.interval, self.max_probe_every)
         for j in range(1, min(accepted + 2, block)):
             self.tried[j] += 1
             self.passed[j] += 1.0 if j <= accepted else 0.0

@@ -29,6 +29,18 @@ def test_poor_acceptance_chooses_plain_decoding():
     assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe
 
 
+def test_probes_back_off_while_nothing_is_accepted():
+    policy = AdaptiveBlockPolicy(16)
+    chosen = []
+    for _ in range(400):
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, 0, cpu_like(b))
+    probes = [i for i, b in enumerate(chosen) if b == 16][1:]  # after the first cost measurement
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 3 and all(g2 == 2 * g1 for g1, g2 in zip(gaps, gaps[1:]))  # doubling intervals
+
+
 def test_high_acceptance_chooses_a_large_block():
     tail = simulate(15, cpu_like)
     assert min(tail) >= 12
