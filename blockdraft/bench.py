@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decoding import Engine, GenerationConfig
+from .decoding import Engine, GenerationConfig, GenerationStats
+from .errors import BlockdraftError
 from .oracle import OracleDraft
 from .verify import SamplingParams
 
@@ -34,9 +35,7 @@ class MethodResult:
     outputs: list[list[int]] = field(default_factory=list)
 
     def summary(self, block_size: int) -> dict:
-        hist = [0] * block_size
-        for a in self.acceptance_lengths:
-            hist[min(a, block_size) - 1] += 1
+        hist = GenerationStats(acceptance_lengths=self.acceptance_lengths).histogram(block_size)
         return {
             "tokens": self.tokens, "seconds": round(self.seconds, 3),
             "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
@@ -132,9 +131,11 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
 
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
-    engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
     if ("dflash" in methods or "oracle" in methods) and draft is None:
-        raise ValueError("methods dflash and oracle need a drafter")
+        raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
+    if not 0 <= oracle_keep <= 1:
+        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
+    engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
 
     truth: dict[tuple, list[int]] = {}  # greedy continuation per prompt, for the oracle
 

@@ -155,10 +155,6 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         raise BlockdraftError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     texts = load_prompts(dataset, limit)
     engine = load_engine(target, draft, device)
-    if ("dflash" in chosen or "oracle" in chosen) and engine.draft is None:
-        raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
-    if not 0 <= oracle_keep <= 1:
-        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
     report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
                        oracle_keep=oracle_keep)
