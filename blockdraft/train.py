@@ -13,6 +13,7 @@ continues exactly where an uninterrupted run would be. `torchrun` gives data-par
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -322,11 +323,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     if rank == 0:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
+    @functools.lru_cache(maxsize=2)  # a step spans at most two epochs; don't redraw per sample
+    def epoch_order(epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(len(samples), generator=gen).tolist()
+
     def sample_index(g: int) -> int:
         """Global sample slot g -> sample index, a fresh permutation each epoch."""
         epoch, pos = divmod(g, len(samples))
-        perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
-        return int(perm[pos])
+        return epoch_order(epoch)[pos]
 
     per_rank = cfg.batch_size // world
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
