@@ -1,4 +1,5 @@
-"""The `blockdraft` command: generate, data, train. Each subcommand is one typed function."""
+"""The `blockdraft` command: generate, chat, serve, init, data, train, bench. Each subcommand is one
+typed function."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def cmd_generate(
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
     block_size: int | None, stop: list[str], as_json: bool, device: str | None,
 ) -> None:
-    from .decoding import GenerationConfig, GenerationStats, cut_at_stop_string
+    from .decoding import GenerationConfig, GenerationStats, TextStream
     from .verify import SamplingParams
 
     rows = read_prompts(prompt, prompts_file)
@@ -94,16 +95,12 @@ def cmd_generate(
             }), flush=True)
             continue
         stats = GenerationStats()
-        tokens: list[int] = []
-        shown = ""
+        text = TextStream(tgt.tokenizer, cfg.stop_strings)
         for step in engine.stream(ids, cfg, stats):
-            tokens.extend(step.tokens)
-            text = tgt.tokenizer.decode(tokens, skip_special_tokens=True)
-            text = cut_at_stop_string(text, cfg.stop_strings)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+            sys.stdout.write(text.push(step.tokens))
+            sys.stdout.flush()
+        sys.stdout.write(text.finish())
+        tokens = text.tokens
         n = len(tokens)
         tps = (n - 1) / stats.decode_seconds if stats.decode_seconds > 0 else float("nan")
         print(f"\n[{n} tokens, tau {stats.tau:.2f}, {tps:.1f} tok/s decode, prefill {stats.prefill_seconds:.2f}s]",
@@ -162,6 +159,44 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     print(format_table(report))
     if as_json:
         Path(as_json).write_text(dump(report) + "\n")
+
+
+def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
+              max_queue: int, default_max_tokens: int, device: str | None) -> None:
+    import os
+
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as err:
+        raise BlockdraftError(f"serving needs the 'serve' extra: pip install 'blockdraft[serve]' ({err})") from err
+    if not 1 <= port <= 65535:
+        raise BlockdraftError(f"--port must be in [1, 65535] (got {port})")
+    if max_queue < 1 or default_max_tokens < 1:
+        raise BlockdraftError("--max-queue and --default-max-tokens must be positive")
+    api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
+    engine = load_engine(target, draft, device)
+    app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens)
+    print(f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
+          f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,
+             seed: int | None, system: str | None, device: str | None) -> None:
+    from .chat import chat_loop
+    from .decoding import GenerationConfig
+    from .verify import SamplingParams
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens,
+                              sampling=SamplingParams(temperature, 0, top_p, seed).validate())
+    if not 1 <= max_new_tokens <= 1_000_000:
+        raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
+    engine = load_engine(target, draft, device)
+    if not engine.target.has_chat_template:
+        raise BlockdraftError(f"target {target!r} has no chat template")
+    chat_loop(engine, config, system)
 
 
 def cmd_train(resume: bool, **kwargs) -> None:
@@ -248,6 +283,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None)
     b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right")
 
+    c = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn, /reset, /exit)")
+    c.add_argument("--target", default="smollm2-135m")
+    c.add_argument("--draft", default=None, help="drafter directory, or 'none' (default: the bundled one)")
+    c.add_argument("--max-new-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--system", default=None, help="a system message to start every conversation")
+    c.add_argument("--device", default=None)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
+    s.add_argument("--target", default="smollm2-135m")
+    s.add_argument("--draft", default=None, help="drafter directory, or 'none' (default: the bundled one)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BLOCKDRAFT_API_KEY)")
+    s.add_argument("--model-name", default=None, help="the model id clients ask for (default: --target)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond it: 429")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
+    s.add_argument("--device", default=None)
+
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
     _add_train_args(t)
     return p
@@ -257,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     try:
-        {"generate": cmd_generate, "init": cmd_init, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}[command](**args)
+        commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "init": cmd_init,
+                    "data": cmd_data, "train": cmd_train, "bench": cmd_bench}
+        commands[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)
         return 2

@@ -55,6 +55,9 @@ class Target:
     def __init__(self, model, tokenizer, name: str = "target"):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            # what transformers applies to BPE tokenizers anyway, minus a warning on the first decode
+            tokenizer.clean_up_tokenization_spaces = False
         self.name = name
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -143,13 +146,17 @@ class Target:
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation through the target's chat template, ready for the assistant's turn."""
+        if not self.has_chat_template:
+            raise BlockdraftError(f"target {self.name!r} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     @property
     def has_chat_template(self) -> bool:
