@@ -45,7 +45,8 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
     grad_clip: float = 1.0
     tap_norm: bool = True  # divide each tap channel by its RMS (folded into fc on export)
-    init: str = "random"  # "random" or "target" (draft layers copied from the target's last ones)
+    init: str = "random"  # "random", "target" (draft layers copied from the target's last ones), or a
+    #                       drafter directory to continue from (e.g. the bundled one, on more data)
     head_vocab: int = 0  # 0: full-vocabulary loss; n: the n most frequent response tokens plus
     #                      n/2 random others per step (a sampled softmax: the LM head dominates cost)
     features: str = "cache"  # "cache" (fp16 on disk) or "online"
@@ -202,6 +203,21 @@ def init_from_target(draft: DraftModel, target) -> None:
     draft.norm.weight.data.copy_(target.model.model.norm.weight)
 
 
+def init_from_drafter(draft: DraftModel, path: str, tap_scale: torch.Tensor | None) -> None:
+    """Start from a saved drafter: its weights, with its folded tap scale unfolded again for ours."""
+    from .checkpoint import load_draft
+
+    src = load_draft(path)
+    a, b = src.cfg, draft.cfg
+    if (len(src.layers), a.block_size, a.target_layer_ids) != (len(draft.layers), b.block_size, b.target_layer_ids):
+        raise BlockdraftError(f"--init {path}: its drafter has {len(src.layers)} layers, block {a.block_size}, taps "
+                              f"{a.target_layer_ids}; this run wants {len(draft.layers)}, {b.block_size}, "
+                              f"{b.target_layer_ids}")
+    draft.load_state_dict({k: v.float() for k, v in src.state_dict().items()})
+    if tap_scale is not None:  # exported fc(taps) == W taps; ours sees taps / s, so W * s
+        draft.fc.weight.data *= tap_scale.to(draft.fc.weight)[None, :]
+
+
 def exportable(draft: DraftModel, tap_scale: torch.Tensor | None) -> DraftModel:
     """A copy with the tap scale folded into fc: fc(taps / s) == (W / s) taps."""
     out = copy.deepcopy(draft).eval()
@@ -301,6 +317,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     draft = DraftModel(dcfg).to(target.device)
     if cfg.init == "target":
         init_from_target(draft, target)
+    elif cfg.init != "random" and not Path(cfg.init).is_dir():
+        raise BlockdraftError(f"--init must be 'random', 'target' or a drafter directory (got {cfg.init!r})")
     if cfg.features == "cache":
         if rank == 0:  # one writer; the other ranks wait, then only read
             feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
@@ -310,6 +328,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
+    if cfg.init not in ("random", "target"):
+        init_from_drafter(draft, cfg.init, tap_scale)
     frequent = frequent_tokens(samples, cfg.head_vocab, target.vocab_size) if cfg.head_vocab else None
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, elapsed = 0, 0.0

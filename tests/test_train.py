@@ -139,3 +139,19 @@ def test_two_process_ddp_matches_one_process(tiny_run):
     # (a wrong shard or normalisation moves weights by ~lr = 3e-3 per step)
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=1e-3, atol=5e-4)
+
+
+def test_init_from_a_saved_drafter_continues_from_its_weights(tiny_run):
+    from blockdraft.checkpoint import load_draft
+
+    T.train(_cfg(tiny_run, tiny_run / "first", max_steps=3), progress=False)
+    first = load_draft(tiny_run / "first" / "drafter")
+    # lr 0: the continued run must export exactly what it started from (tap scale unfolded, refolded)
+    T.train(_cfg(tiny_run, tiny_run / "again", max_steps=1, lr=0.0, init=str(tiny_run / "first" / "drafter")),
+            progress=False)
+    again = load_draft(tiny_run / "again" / "drafter")
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=1e-5, msg=name)
+    with pytest.raises(Exception, match="layers"):
+        T.train(_cfg(tiny_run, tiny_run / "bad", num_layers=3, init=str(tiny_run / "first" / "drafter")),
+                progress=False)
