@@ -2,10 +2,13 @@
 prompt by prompt after a warm-up, with an identical-output check at temperature 0.
 
 Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), `hf`
-(transformers `generate`, as a user would call it), `oracle` (the drafter's real forward, but
-proposing the target's own greedy continuation, each token kept with probability
-`oracle_keep`: the engine's speed at a controlled tau, apart from drafter quality). Speedups are ratios of end-to-end tokens/s
-(prefill included) measured in this run; `decode_tok_s` excludes prefill where it is known.
+(transformers `generate`, as a user would call it), `hf-pld` (transformers prompt-lookup
+decoding), `hf-assisted` (transformers assisted generation with a given assistant model),
+`oracle` (the drafter's real forward, but proposing the target's own greedy continuation, each
+token kept with probability `oracle_keep`; `oracle@K` sets K per method, so several can run side by
+side): the engine's speed at a controlled tau, apart from drafter quality. Speedups are ratios of
+end-to-end tokens/s (prefill included) measured in this run; `decode_tok_s` excludes prefill where
+it is known; transformers reports no acceptance, so its methods have no tau (plain `hf`: 1).
 """
 
 from __future__ import annotations
@@ -21,7 +24,25 @@ from .errors import BlockdraftError
 from .oracle import OracleDraft
 from .verify import SamplingParams
 
-METHODS = ("dflash", "ar", "hf", "oracle")
+METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
+PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
+
+
+def check_methods(methods) -> tuple[str, ...]:
+    """Known names, `oracle@K` with K in [0, 1] included; a BlockdraftError otherwise."""
+    for m in methods:
+        if m.startswith("oracle@"):
+            try:
+                keep = float(m.split("@", 1)[1])
+            except ValueError:
+                keep = -1.0
+            if not 0 <= keep <= 1:
+                raise BlockdraftError(f"{m!r}: the keep probability after '@' must be in [0, 1]")
+        elif m not in METHODS:
+            raise BlockdraftError(f"unknown method {m!r}; choose from {list(METHODS)} or oracle@K")
+    if not methods or len(set(methods)) != len(methods):
+        raise BlockdraftError(f"give each method once (got {list(methods)})")
+    return tuple(methods)
 
 
 @dataclass
@@ -57,7 +78,7 @@ def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -
     return out.token_ids
 
 
-def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
+def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult, **extra) -> list[int]:
     s = cfg.sampling
     kwargs = dict(do_sample=False) if s.greedy else dict(do_sample=True, temperature=s.temperature,
                                                          top_k=s.top_k or None, top_p=s.top_p)
@@ -68,11 +89,12 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
             torch.tensor([ids], device=target.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
                                                                                  device=target.device),
             max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
-            pad_token_id=stop[0] if stop else 0, **kwargs,
+            pad_token_id=stop[0] if stop else 0, **kwargs, **extra,
         )[0, len(ids):].tolist()
     res.seconds += time.perf_counter() - t0
     res.tokens += len(out)
-    res.taus.append(1.0)
+    if not extra:
+        res.taus.append(1.0)  # plain generate: one token per forward
     return out
 
 
@@ -124,15 +146,19 @@ def ceiling_speedup(costs: dict, tau: float) -> float:
     return tau * costs["t_target"][1] / (costs["t_target"][b] + costs["t_draft"])
 
 
-def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_tokens: int = 256,
+def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
-              progress: bool = True, oracle_keep: float = 0.9) -> dict:
+              progress: bool = True, oracle_keep: float = 0.9, assistant=None) -> dict:
     from tqdm import tqdm
 
+    methods = check_methods(tuple(methods))
+    oracles = {m: (float(m.split("@")[1]) if "@" in m else oracle_keep) for m in methods if m.startswith("oracle")}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
-    if ("dflash" in methods or "oracle" in methods) and draft is None:
+    if ("dflash" in methods or oracles) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
+    if "hf-assisted" in methods and assistant is None:
+        raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if not 0 <= oracle_keep <= 1:
         raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
     engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
@@ -142,11 +168,15 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
     def run(method, ids, res):
         if method == "hf":
             return _run_hf(target, ids, cfg, res)
-        if method == "oracle":
+        if method == "hf-pld":
+            return _run_hf(target, ids, cfg, res, prompt_lookup_num_tokens=PLD_TOKENS)
+        if method == "hf-assisted":
+            return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
+        if method in oracles:
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
                 truth[key] = engines["ar"].generate(ids, cfg).token_ids
-            oracle = OracleDraft(draft, truth[key], len(ids), oracle_keep, seed=len(truth))
+            oracle = OracleDraft(draft, truth[key], len(ids), oracles[method], seed=len(truth))
             return _run_engine(Engine(target, oracle), ids, cfg, res)
         return _run_engine(engines[method], ids, cfg, res)
 
@@ -161,7 +191,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
     b = block_size or (draft.block_size if draft is not None else 1)
     report = {m: r.summary(b) for m, r in results.items()}
     costs = measure_costs(target, draft, prompts[0], b)
-    for m in ("dflash", "oracle"):
+    for m in ("dflash", *oracles):
         if m in report and report[m]["tau"]:
             report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, report[m]["tau"]), 3)
     mismatches = []
@@ -177,16 +207,16 @@ def run_bench(target, draft, prompts: list[list[int]], methods=METHODS, max_new_
                 if report[m]["tok_s"]:
                     report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
     return {"methods": report, "mismatches": mismatches, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "oracle_keep": oracle_keep if "oracle" in methods else None,
+            "oracle_keep": {m: k for m, k in oracles.items()} or None,
             "cost_model_seconds": {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"]},
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 
 def format_table(report: dict) -> str:
     cols = ["tok_s", "decode_tok_s", "tau", "speedup_vs_hf", "speedup_vs_ar", "ceiling_speedup_vs_ar"]
-    lines = ["method  " + "".join(f"{c:>22}" for c in cols)]
+    lines = ["method      " + "".join(f"{c:>22}" for c in cols)]
     for m, r in report["methods"].items():
-        lines.append(f"{m:<8}" + "".join(f"{str(r.get(c, '-')):>22}" for c in cols))
+        lines.append(f"{m:<12}" + "".join(f"{str(r.get(c) if r.get(c) is not None else '-'):>22}" for c in cols))
     if report["mismatches"]:
         lines.append(f"!!! OUTPUT MISMATCH against hf: {report['mismatches'][:10]}")
     else:
@@ -196,3 +226,49 @@ def format_table(report: dict) -> str:
 
 def dump(report: dict) -> str:
     return json.dumps(report)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Speedup bars, acceptance histograms, and (with several oracles) speedup against tau."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise BlockdraftError("--plot needs matplotlib (pip install 'blockdraft[bench]')") from err
+    methods = report["methods"]
+    oracles = [m for m in methods if m.startswith("oracle") and methods[m]["tau"]]
+    panels = 3 if len(oracles) >= 2 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    names = list(methods)
+    base = "ar" if all(methods[m].get("speedup_vs_ar") for m in names) else "hf"
+    bars = [methods[m].get(f"speedup_vs_{base}") or 0 for m in names]
+    axes[0].bar(names, bars, color=["#3b7dd8" if m == "dflash" else "#999999" for m in names])
+    axes[0].axhline(1.0, color="black", lw=0.8)
+    axes[0].set_ylabel(f"speedup over {base} (end-to-end tokens/s)")
+    axes[0].set_title(f"{report.get('dataset', '')}, {report['prompts']} prompts, {report['max_new_tokens']} tokens")
+    axes[0].tick_params(axis="x", rotation=30)
+    for m in names:
+        hist = methods[m]["acceptance_histogram"]
+        if sum(hist) and methods[m]["tau"] and max(methods[m]["acceptance_histogram"][1:], default=0):
+            total = sum(hist)
+            axes[1].plot(range(1, len(hist) + 1), [h / total for h in hist], marker="o", ms=3,
+                         label=f"{m} (tau {methods[m]['tau']})")
+    axes[1].set_xlabel("acceptance length (tokens per step)")
+    axes[1].set_ylabel("fraction of steps")
+    axes[1].set_title("acceptance histogram")
+    axes[1].legend(fontsize=8)
+    if panels == 3:
+        pts = sorted((methods[m]["tau"], methods[m].get("speedup_vs_ar"), methods[m].get("ceiling_speedup_vs_ar"))
+                     for m in oracles)
+        axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="measured")
+        axes[2].plot([p[0] for p in pts], [p[2] for p in pts], ls="--", label="cost-model ceiling")
+        axes[2].axhline(1.0, color="black", lw=0.8)
+        axes[2].set_xlabel("tau (oracle drafter)")
+        axes[2].set_ylabel("speedup over ar")
+        axes[2].set_title("engine speed against tau")
+        axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -142,23 +142,24 @@ def cmd_data(out: str, source: str, target: str, responses: str, limit: int, bat
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
-              device: str | None, oracle_keep: float) -> None:
-    from .bench import METHODS, dump, format_table, run_bench
+              device: str | None, oracle_keep: float, assistant: str | None, plot: str | None) -> None:
+    from .bench import check_methods, dump, format_table, plot_report, run_bench
     from .benchdata import load_prompts
+    from .target import load_target
 
-    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in METHODS]
-    if unknown or not chosen:
-        raise BlockdraftError(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    chosen = check_methods(tuple(m.strip() for m in methods.split(",") if m.strip()))
     texts = load_prompts(dataset, limit)
     engine = load_engine(target, draft, device)
+    helper = load_target(assistant, device=engine.target.device) if assistant else None
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
     report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
-                       oracle_keep=oracle_keep)
+                       oracle_keep=oracle_keep, assistant=helper)
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
         Path(as_json).write_text(dump(report) + "\n")
+    if plot:
+        plot_report(report, plot)
 
 
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
@@ -277,11 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--methods", default="dflash,ar,hf")
+    b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
+                   help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)
-    b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right")
+    b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right "
+                   "(per method: oracle@0.8)")
+    b.add_argument("--assistant", default=None, help="assistant model for hf-assisted (an ID or HF directory)")
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
 
     c = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn, /reset, /exit)")
     c.add_argument("--target", default="smollm2-135m")

@@ -56,3 +56,27 @@ def test_a_planted_difference_is_caught(monkeypatch):
                              progress=False)
     assert report["mismatches"] == [{"method": "dflash", "prompt": 0}]
     assert "MISMATCH" in bench.format_table(report)
+
+
+def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_path):
+    target = tiny_target("llama")
+    assistant = tiny_target("llama", seed=5, layers=2)  # same vocabulary, different model
+    draft = tiny_draft(target, block_size=4)
+    methods = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle@0.5", "oracle@1")
+    report = bench.run_bench(target, draft, [[1, 2, 3, 1, 2, 3], [4, 5]], methods, max_new_tokens=12,
+                             progress=False, assistant=assistant)
+    assert report["mismatches"] == []
+    assert report["oracle_keep"] == {"oracle@0.5": 0.5, "oracle@1": 1.0}
+    assert report["methods"]["oracle@1"]["tau"] > report["methods"]["oracle@0.5"]["tau"]
+    assert report["methods"]["hf-pld"]["tau"] is None and report["methods"]["hf-pld"]["tokens"] == 24
+    bench.plot_report({**report, "dataset": "tiny"}, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_method_lists_are_refused():
+    for bad in (("nope",), ("oracle@2",), ("oracle@x",), ("ar", "ar"), ()):
+        with pytest.raises(BlockdraftError):
+            bench.check_methods(bad)
+    target = tiny_target("llama")
+    with pytest.raises(BlockdraftError, match="assistant"):
+        bench.run_bench(target, None, [[1, 2]], ("hf-assisted",), max_new_tokens=4, progress=False)
