@@ -56,8 +56,12 @@ def iter_sharegpt() -> Iterator[Prompt]:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[Prompt]:
-    """Lines {"prompt": str} or {"messages": [...]}, optionally with "id" and "response"."""
-    with open(path) as f:
+    """Lines {"prompt": str} or {"messages": [...]}, optionally with "id" and "response"; the file
+    may be gzipped (name ending in .gz)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue

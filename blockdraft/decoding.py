@@ -182,7 +182,7 @@ def decode_steps(
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     out = target.forward(prompt, cache, taps, logits_at=1)
     anchor = _choose(out.logits[0, -1], params, gen)
-    pending_taps = out.taps  # [1, T, K*H] target taps not yet in the draft cache
+    pending_taps = [out.taps]  # chunks [1, T_i, K*H] of target taps not yet in the draft cache
     draft_cache = DraftCache(len(draft.layers)) if taps else None
     position = len(prompt_ids)  # absolute position of the anchor (committed, not yet in cache)
     stats.prompt_tokens = len(prompt_ids)
@@ -199,7 +199,8 @@ def decode_steps(
         drafts = q = None
         if block > 1:
             draft_logits = draft.block_logits(
-                target.embed_tokens, target.lm_head, draft_cache, pending_taps, anchor, position, block
+                target.embed_tokens, target.lm_head, draft_cache, torch.cat(pending_taps, dim=1), anchor, position,
+                block,
             )
             drafts, q = propose(draft_logits, config, gen)
         # 3. Verify: one target forward over [anchor, drafts].
@@ -219,7 +220,7 @@ def decode_steps(
         if taps:
             new_taps = out.taps[:, : 1 + accepted]
             # a plain step (block 1) ran no draft, so earlier pending context is still pending
-            pending_taps = new_taps if drafts is not None else torch.cat([pending_taps, new_taps], dim=1)
+            pending_taps = [new_taps] if drafts is not None else pending_taps + [new_taps]
         position += 1 + accepted
         anchor = next_token
         if policy is not None:

