@@ -278,6 +278,24 @@ def heldout_tau(draft, target, samples, n_prompts: int, max_new: int) -> float:
     return sum(taus) / max(1, len(taus))
 
 
+@torch.no_grad()
+def heldout_accuracy(draft, target, samples, feats, cfg: TrainConfig, tap_scale, mask_id: int) -> list[float]:
+    """Per-position accuracy over the full vocabulary on held-out responses, at fixed anchors
+    (up to 64 per sequence, seeded): comparable across runs whatever their training loss."""
+    from dataclasses import replace
+
+    eval_cfg = replace(cfg, anchors=64)
+    correct = counts = None
+    draft.eval()
+    for lo in range(0, len(samples), 4):
+        idx = list(range(lo, min(lo + 4, len(samples))))
+        batch = make_batch(samples, feats, idx, eval_cfg, mask_id, lambda j: torch.Generator().manual_seed(idx[j]))
+        _, _, c, n = training_forward(draft, target, batch, tap_scale, None)
+        correct, counts = (c, n) if correct is None else (correct + c, counts + n)
+    draft.train()
+    return [round(float(a), 4) for a in (correct / counts.clamp_min(1))] if correct is not None else []
+
+
 def _dist():
     """(rank, world) under torchrun, after joining the process group; (0, 1) otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -353,6 +371,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         epoch, pos = divmod(g, len(samples))
         return epoch_order(epoch)[pos]
 
+    heldout_feats = OnlineFeatures(target, heldout, dcfg.target_layer_ids)
+
+    def evaluate() -> dict:
+        acc = heldout_accuracy(draft, target, heldout, heldout_feats, cfg, tap_scale, dcfg.mask_token_id)
+        tau = heldout_tau(exportable(draft, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
+        return {"step": step, "heldout_tau": round(tau, 3), "heldout_acc": acc}
+
     per_rank = cfg.batch_size // world
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
     t_start, window_tokens, t_window = time.perf_counter() - elapsed, 0, time.perf_counter()
@@ -397,16 +422,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
             _save_state(state_dir, draft, opt, tap_scale, step, cfg, time.perf_counter() - t_start)
             save_draft(exportable(draft, tap_scale), out / "drafter")
         if rank == 0 and heldout and cfg.eval_every and step % cfg.eval_every == 0:
-            tau = heldout_tau(exportable(draft, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
-            log.write(json.dumps({"step": step, "heldout_tau": round(tau, 3),
-                                  "elapsed": round(time.perf_counter() - t_start, 1)}) + "\n")
+            log.write(json.dumps({**evaluate(), "elapsed": round(time.perf_counter() - t_start, 1)}) + "\n")
             log.flush()
     bar.close()
     if rank == 0:
         _save_state(state_dir, draft, opt, tap_scale, step, cfg, time.perf_counter() - t_start)
         save_draft(exportable(draft, tap_scale), out / "drafter")
         if heldout:
-            tau = heldout_tau(exportable(draft, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
-            log.write(json.dumps({"step": step, "heldout_tau": round(tau, 3), "final": True}) + "\n")
+            log.write(json.dumps({**evaluate(), "final": True}) + "\n")
         log.close()
     return out / "drafter"

@@ -167,3 +167,21 @@ def test_prompt_jsonl_may_be_gzipped(tmp_path):
         f.write("\n".join(json.dumps(r) for r in rows) + "\n")
     got = list(iter_jsonl(tmp_path / "p.jsonl.gz"))
     assert [(p.id, p.messages[0]["content"], p.response) for p in got] == [("a", "hi", None), ("1", "yo", "r")]
+
+
+def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_run / "data", data)
+    lines = (data / "samples.jsonl").read_text().splitlines()
+    for k in (0, 1):  # two held-out sequences
+        rec = json.loads(lines[k])
+        rec.update(id=f"h{k}", split="heldout")
+        lines.append(json.dumps(rec))
+    (data / "samples.jsonl").write_text("\n".join(lines) + "\n")
+    T.train(_cfg(tiny_run, tmp_path / "out", data=str(data), max_steps=2, head_vocab=16, eval_prompts=2,
+                 eval_tokens=8), progress=False)
+    final = [json.loads(x) for x in open(tmp_path / "out" / "log.jsonl")][-1]
+    assert final["final"] and final["heldout_tau"] >= 1.0
+    assert len(final["heldout_acc"]) == 5 and all(0 <= a <= 1 for a in final["heldout_acc"])
