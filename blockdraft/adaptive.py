@@ -9,12 +9,17 @@ changes speed only. Model:
   interpolated linearly between b=1 and the largest block for the others.
 The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
 runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
-an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), so a
-drafter that never helps costs almost nothing, and resets when a probe is accepted.
+an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
+resets when a probe is accepted. The interval is never shorter than what keeps the probes'
+extra cost, c(B) - c(1) each, under `probe_budget` of the plain steps' time: a drafter that
+never helps then costs at most that. The engine keeps one policy across requests (the drafter's
+acceptance and the machine's costs do not change between them), so only its first request pays
+for learning them; counts are halved past `memory` observations so that it keeps adapting.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -26,6 +31,8 @@ class AdaptiveBlockPolicy:
     prior_accept: float = 0.5  # prior mean of each alpha_j, weight `prior_weight` observations
     prior_weight: float = 2.0
     ema: float = 0.3
+    probe_budget: float = 0.02  # probes may add at most this fraction to plain decoding's time
+    memory: int = 2000  # per-position observations kept at full weight
     tried: list[int] = field(default_factory=list)  # per position j: steps that reached draft j
     passed: list[float] = field(default_factory=list)  # ... and accepted it
     cost: dict[int, float] = field(default_factory=dict)  # block -> EMA seconds per step
@@ -66,7 +73,9 @@ class AdaptiveBlockPolicy:
         best = max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.step_cost(b))
         if best == 1:
             self.steps_since_probe += 1
-            if self.steps_since_probe >= self.interval:
+            extra = max(0.0, self.cost[self.max_block] - self.cost[1])
+            floor = math.ceil(extra / (self.probe_budget * self.cost[1])) if self.cost[1] > 0 else 0
+            if self.steps_since_probe >= max(self.interval, floor):
                 self.steps_since_probe = 0
                 self.probing = True
                 return self.max_block
@@ -80,5 +89,8 @@ class AdaptiveBlockPolicy:
         for j in range(1, min(accepted + 2, block)):
             self.tried[j] += 1
             self.passed[j] += 1.0 if j <= accepted else 0.0
+            if self.tried[j] > self.memory:
+                self.tried[j] //= 2
+                self.passed[j] /= 2
         old = self.cost.get(block)
         self.cost[block] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds

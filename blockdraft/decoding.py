@@ -154,9 +154,11 @@ def decode_steps(
     prompt_ids: list[int],
     config: GenerationConfig,
     stats: GenerationStats | None = None,
+    policies: dict[int, AdaptiveBlockPolicy] | None = None,
 ) -> Iterator[Step]:
     """Yield each step's committed tokens. With `draft=None` (or block size 1) this is plain
-    autoregressive decoding: the same target forwards, one token per step."""
+    autoregressive decoding: the same target forwards, one token per step. `policies`: adaptive
+    block policies by maximum block, kept across requests (the Engine's)."""
     validate_request(target, prompt_ids, config)
     stats = stats if stats is not None else GenerationStats()
     params = config.sampling
@@ -170,7 +172,8 @@ def decode_steps(
     # seed could give different text (the draws would fall differently), so a seed fixes B.
     reproducible = not params.greedy and params.seed is not None
     if draft is not None and config.block_size is None and config.adaptive and not reproducible:
-        policy = AdaptiveBlockPolicy(block_size)
+        policies = policies if policies is not None else {}
+        policy = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
     taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     stopper = _Stopper(target, config, budget)
@@ -243,9 +246,10 @@ class Engine:
             draft.to(device=target.device, dtype=target.dtype)
         self.target = target
         self.draft = draft
+        self.policies: dict[int, AdaptiveBlockPolicy] = {}  # what adaptive blocks learned so far
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[Step]:
-        return decode_steps(self.target, self.draft, prompt_ids, config, stats)
+        return decode_steps(self.target, self.draft, prompt_ids, config, stats, self.policies)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationResult:
         config = config or GenerationConfig()

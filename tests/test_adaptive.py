@@ -29,16 +29,32 @@ def test_poor_acceptance_chooses_plain_decoding():
     assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe
 
 
-def test_probes_back_off_while_nothing_is_accepted():
-    policy = AdaptiveBlockPolicy(16)
+def test_probes_back_off_while_nothing_is_accepted_and_stay_within_budget():
+    policy = AdaptiveBlockPolicy(16, probe_budget=0.02)
     chosen = []
-    for _ in range(400):
+    for _ in range(3000):
         b = policy.choose()
         chosen.append(b)
         policy.update(b, 0, cpu_like(b))
     probes = [i for i, b in enumerate(chosen) if b == 16][1:]  # after the first cost measurement
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(gaps) >= 3 and all(g2 == 2 * g1 for g1, g2 in zip(gaps, gaps[1:]))  # doubling intervals
+    floor = (cpu_like(16) - cpu_like(1)) / (0.02 * cpu_like(1))  # 90 plain steps per probe
+    assert len(gaps) >= 5 and all(g >= round(floor) for g in gaps)
+    assert gaps == sorted(gaps) and gaps[-1] == 256  # they back off to the longest interval
+    extra = sum(cpu_like(b) - cpu_like(1) for b in chosen[2:])
+    assert extra <= 0.02 * len(chosen) * cpu_like(1)  # within the probe budget
+
+
+def test_short_probe_intervals_when_probes_are_cheap():
+    policy = AdaptiveBlockPolicy(16)
+    chosen = []
+    for _ in range(600):
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, 0, 1.0 if b == 1 else 1.05)  # a GPU-like cost curve: probing is cheap
+    probes = [i for i, b in enumerate(chosen) if b == 16]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-5:] == [16, 32, 64, 128, 256]  # the budget floor (3 steps) does not bind: plain doubling
 
 
 def test_high_acceptance_chooses_a_large_block():
@@ -68,3 +84,14 @@ def test_adaptive_decoding_is_lossless(keep):
     assert got.token_ids == truth
     if keep == 1.0:
         assert got.stats.tau > 3
+
+
+def test_the_engine_keeps_what_the_policy_learned_across_requests():
+    target = tiny_target("llama")
+    engine = Engine(target, tiny_draft(target, block_size=8))  # random drafter: accepts ~nothing
+    cfg = GenerationConfig(max_new_tokens=40)
+    first = engine.generate([1, 2, 3], cfg)
+    second = engine.generate([4, 5, 6], cfg)
+    assert first.stats.drafted > 0  # the first request probed the drafter
+    assert second.stats.drafted < first.stats.drafted  # the second starts from what it learned
+    assert second.token_ids == Engine(target).generate([4, 5, 6], cfg).token_ids  # still lossless
