@@ -189,6 +189,22 @@ def generate_data(
     return out
 
 
+def _target_predictions(target, seqs: list[list[int]], pad_id: int, chunk: int = 4) -> list[list[int]]:
+    """The target's greedy next token at every position of each sequence (right padding)."""
+    import torch
+
+    out = []
+    for lo in range(0, len(seqs), chunk):  # a few at a time: full logits are [n, S, V]
+        group = seqs[lo : lo + chunk]
+        width = max(len(s) for s in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        for r, s in enumerate(group):
+            ids[r, : len(s)] = torch.tensor(s)
+        logits = target.forward(ids.to(target.device), target.new_cache()).logits  # [n, S, V]
+        out += [row[: len(s)].tolist() for row, s in zip(logits.argmax(-1).cpu(), group)]
+    return out
+
+
 def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, stop_ids) -> int:
     import torch
 
@@ -215,12 +231,18 @@ def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, st
         for row in gen:
             cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
             outs.append(row[:cut])
+    seqs = [ids + resp for (_, ids), resp in zip(batch, outs)]
+    # The dataset's answers are not what the target would say: keep the target's own greedy
+    # prediction at every position too (one prefill), for training with `--labels target`.
+    greedy = _target_predictions(target, seqs, pad_id) if responses == "dataset" else None
     n = 0
-    for (p, ids), resp in zip(batch, outs):
+    for r, ((p, ids), resp) in enumerate(zip(batch, outs)):
         rec = {
             "id": p.id, "split": split_of(p.id, settings.heldout_percent),
-            "input_ids": ids + resp, "loss_mask": [0] * len(ids) + [1] * len(resp),
+            "input_ids": seqs[r], "loss_mask": [0] * len(ids) + [1] * len(resp),
         }
+        if greedy is not None:
+            rec["target_next"] = greedy[r]  # target_next[i]: the target's argmax after input_ids[: i + 1]
         f.write(json.dumps(rec) + "\n")
         n += len(resp)
     f.flush()

@@ -50,6 +50,8 @@ class TrainConfig:
     head_vocab: int = 0  # 0: full-vocabulary loss; n: the n most frequent response tokens plus
     #                      n/2 random others per step (a sampled softmax: the LM head dominates cost)
     features: str = "cache"  # "cache" (fp16 on disk) or "online"
+    labels: str = "data"  # "data": the sequence's own next tokens; "target": the target's greedy
+    #                       predictions stored by `blockdraft data --responses dataset`
     max_seq_len: int = 512
     seed: int = 0
     log_every: int = 10
@@ -104,8 +106,10 @@ def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for)
     rows = []
     for j, i in enumerate(indices):
         ids, lm = samples[i]["input_ids"][: cfg.max_seq_len], samples[i]["loss_mask"][: cfg.max_seq_len]
+        # nxt[t]: the label for position t + 1 (the next token, or the target's prediction of it)
+        nxt = samples[i]["target_next"][: len(ids)] if cfg.labels == "target" else ids[1:] + [0]
         rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
-                     sample_anchors(lm, N, B, gen_for(j))))
+                     sample_anchors(lm, N, B, gen_for(j)), torch.tensor(nxt)))
     S = max(r[0].shape[0] for r in rows)
     width = rows[0][2].shape[1]
     bs = len(rows)
@@ -115,7 +119,7 @@ def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for)
     labels = torch.zeros(bs, N, B - 1, dtype=torch.long)
     weights = torch.zeros(bs, N, B - 1)
     mask = torch.zeros(bs, 1, N * B, S + N * B, dtype=torch.bool)
-    for r, (ids, lm, f, anchors) in enumerate(rows):
+    for r, (ids, lm, f, anchors, nxt) in enumerate(rows):
         taps[r, : f.shape[0]] = f
         n = anchors.shape[0]
         # padding blocks (short sequences) sit at anchor 0 with weight 0: they see only themselves
@@ -123,7 +127,7 @@ def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for)
         offs = full[:, None] + torch.arange(B)[None, :]  # [N, B]
         block_ids[r, ::B] = ids[full]
         positions[r] = offs.reshape(-1)
-        labels[r, :n] = ids[offs[:n, 1:]]
+        labels[r, :n] = nxt[offs[:n, 1:] - 1]
         weights[r, :n] = w[None, :] * lm[offs[:n, 1:]].float()
         m = block_mask(full, S, B)
         m[n * B :, :S] = False
@@ -318,6 +322,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     rank, world = _dist()
     if cfg.batch_size % world:
         raise BlockdraftError(f"batch size {cfg.batch_size} is not divisible by {world} processes")
+    if cfg.labels not in ("data", "target"):
+        raise BlockdraftError(f"--labels must be 'data' or 'target' (got {cfg.labels!r})")
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.max_steps < 1:
         raise BlockdraftError("block size >= 2, anchors >= 1 and max steps >= 1 are required")
     out = Path(cfg.out)
@@ -330,6 +336,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     heldout = load_samples(cfg.data, "heldout")
     if not samples:
         raise BlockdraftError(f"no training samples in {cfg.data}")
+    if cfg.labels == "target" and any("target_next" not in s for s in samples + heldout):
+        raise BlockdraftError(f"--labels target needs data made with `blockdraft data --responses dataset` "
+                              f"(the target's predictions); {cfg.data} has none")
     dcfg = build_draft_config(target.config, cfg.num_layers, cfg.block_size,
                               mask_token_id=default_mask_token_id(target), vocab_size=target.vocab_size)
     draft = DraftModel(dcfg).to(target.device)

@@ -30,5 +30,6 @@ run anchors-8x8 "$DATA" --anchors 8 --batch-size 8
 run lr-3e-3 "$DATA" --lr 3e-3
 run lr-3e-4 "$DATA" --lr 3e-4
 run original-responses "$ORIG"
+run original-target-labels "$ORIG" --labels target
 .venv/bin/python scripts/summarize_runs.py $T/* > docs/efficiency-table.md
 cat docs/efficiency-table.md

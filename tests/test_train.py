@@ -185,3 +185,36 @@ def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_pa
     final = [json.loads(x) for x in open(tmp_path / "out" / "log.jsonl")][-1]
     assert final["final"] and final["heldout_tau"] >= 1.0
     assert len(final["heldout_acc"]) == 5 and all(0 <= a <= 1 for a in final["heldout_acc"])
+
+
+def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
+    from blockdraft.data import _target_predictions
+
+    target = tiny_target("llama")
+    seqs = [[1, 5, 9, 2, 7, 7, 3], [4, 4, 8]]
+    greedy = _target_predictions(target, seqs, pad_id=0)
+    for s, g in zip(seqs, greedy):  # batched with right padding == each sequence alone
+        alone = target.forward(torch.tensor([s]), target.new_cache()).logits[0].argmax(-1).tolist()
+        assert g == alone
+
+    samples = [json.loads(x) for x in open(tiny_run / "data" / "samples.jsonl")][:2]
+    cfg = _cfg(tiny_run, tiny_run / "unused", block_size=4, anchors=3)
+
+    class Feats:
+        def get(self, i):
+            return torch.zeros(len(samples[i]["input_ids"]), 8)
+
+    def batch(labels, smp):
+        return T.make_batch(smp, Feats(), [0, 1], T.TrainConfig(**{**cfg.__dict__, "labels": labels}), 95,
+                            lambda j: torch.Generator().manual_seed(j))
+    # data whose stored predictions are its own next tokens (greedy-regenerated data) gives the same labels
+    same = [{**s, "target_next": s["input_ids"][1:] + [0]} for s in samples]
+    assert torch.equal(batch("data", samples).labels, batch("target", same).labels)
+    # otherwise the labels are the predictions: label of block position k at anchor a = pred[a + k - 1]
+    pred = [{**s, "target_next": [(t * 7 + 1) % 90 for t in range(len(s["input_ids"]))]} for s in samples]
+    b = batch("target", pred)
+    anchors = b.positions[:, ::4]  # [bs, N]
+    for r in range(2):
+        for a_i, a in enumerate(anchors[r].tolist()):
+            if b.weights[r, a_i].sum() > 0:
+                assert b.labels[r, a_i].tolist() == [pred[r]["target_next"][a + k - 1] for k in (1, 2, 3)]
