@@ -204,8 +204,22 @@ def test_unknown_route_and_method_are_4xx(server):
     assert "error" in httpx.get(server.url + "/v1/nothing").json()
 
 
+class GatedEngine:
+    """The real engine, but each request waits at a gate before its first step: a request that
+    is running stays running until the test opens the gate, whatever the text's length."""
+
+    def __init__(self, engine):
+        self.engine, self.target, self.draft = engine, engine.target, engine.draft
+        self.gate = threading.Event()
+
+    def stream(self, *args):
+        self.gate.wait(timeout=120)
+        yield from self.engine.stream(*args)
+
+
 def test_api_key_enforced_and_queue_refuses_beyond_capacity(engine):
-    with ServerThread(create_app(engine, MODEL, api_key="sekrit", max_queue=1)) as srv:
+    gated = GatedEngine(engine)
+    with ServerThread(create_app(gated, MODEL, api_key="sekrit", max_queue=1)) as srv:
         assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
             for path in ("/v1/models", "/metrics"):
@@ -220,7 +234,7 @@ def test_api_key_enforced_and_queue_refuses_beyond_capacity(engine):
         auth = {"authorization": "Bearer sekrit"}
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=auth, timeout=60) as first:
-            next(first.iter_lines())
+            assert first.status_code == 200
             while not httpx.get(srv.url + "/health").json()["running"]:
                 time.sleep(0.05)
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=auth, timeout=60) as second:
@@ -229,6 +243,7 @@ def test_api_key_enforced_and_queue_refuses_beyond_capacity(engine):
                     time.sleep(0.05)
                 third = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, headers=auth)
                 assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+        gated.gate.set()
         # both clients left: the engine is free again
         deadline = time.time() + 30
         while (h := httpx.get(srv.url + "/health").json())["running"] or h["queue_depth"]:
