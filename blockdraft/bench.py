@@ -258,12 +258,16 @@ def plot_report(report: dict, path: str) -> None:
     axes[1].set_xlabel("acceptance length (tokens per step)")
     axes[1].set_ylabel("fraction of steps")
     axes[1].set_title("acceptance histogram")
-    axes[1].legend(fontsize=8)
+    if axes[1].lines:
+        axes[1].legend(fontsize=8)
+    else:
+        axes[1].text(0.5, 0.5, "no method accepted drafts", ha="center", transform=axes[1].transAxes)
     if panels == 3:
         pts = sorted((methods[m]["tau"], methods[m].get("speedup_vs_ar"), methods[m].get("ceiling_speedup_vs_ar"))
                      for m in oracles)
         axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="measured")
-        axes[2].plot([p[0] for p in pts], [p[2] for p in pts], ls="--", label="cost-model ceiling")
+        axes[2].plot([p[0] for p in pts], [p[2] for p in pts], ls="--",
+                     label=f"cost-model ceiling at block {report['block_size']}")
         axes[2].axhline(1.0, color="black", lw=0.8)
         axes[2].set_xlabel("tau (oracle drafter)")
         axes[2].set_ylabel("speedup over ar")
