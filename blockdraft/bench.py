@@ -28,16 +28,24 @@ METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
 
 
+def oracle_keep_of(method: str, default: float) -> float:
+    """The keep probability of `oracle@K` (K), or `default` for plain `oracle`."""
+    if "@" not in method:
+        return default
+    try:
+        keep = float(method.split("@", 1)[1])
+    except ValueError:
+        keep = -1.0
+    if not 0 <= keep <= 1:
+        raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
+    return keep
+
+
 def check_methods(methods) -> tuple[str, ...]:
     """Known names, `oracle@K` with K in [0, 1] included; a BlockdraftError otherwise."""
     for m in methods:
         if m.startswith("oracle@"):
-            try:
-                keep = float(m.split("@", 1)[1])
-            except ValueError:
-                keep = -1.0
-            if not 0 <= keep <= 1:
-                raise BlockdraftError(f"{m!r}: the keep probability after '@' must be in [0, 1]")
+            oracle_keep_of(m, 0.0)
         elif m not in METHODS:
             raise BlockdraftError(f"unknown method {m!r}; choose from {list(METHODS)} or oracle@K")
     if not methods or len(set(methods)) != len(methods):
@@ -152,7 +160,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
-    oracles = {m: (float(m.split("@")[1]) if "@" in m else oracle_keep) for m in methods if m.startswith("oracle")}
+    oracles = {m: oracle_keep_of(m, oracle_keep) for m in methods if m.startswith("oracle")}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
     if ("dflash" in methods or oracles) and draft is None:
@@ -251,9 +259,8 @@ def plot_report(report: dict, path: str) -> None:
     axes[0].tick_params(axis="x", rotation=30)
     for m in names:
         hist = methods[m]["acceptance_histogram"]
-        if sum(hist) and methods[m]["tau"] and max(methods[m]["acceptance_histogram"][1:], default=0):
-            total = sum(hist)
-            axes[1].plot(range(1, len(hist) + 1), [h / total for h in hist], marker="o", ms=3,
+        if max(hist[1:], default=0):  # only methods where some step accepted a draft
+            axes[1].plot(range(1, len(hist) + 1), [h / sum(hist) for h in hist], marker="o", ms=3,
                          label=f"{m} (tau {methods[m]['tau']})")
     axes[1].set_xlabel("acceptance length (tokens per step)")
     axes[1].set_ylabel("fraction of steps")

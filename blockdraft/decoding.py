@@ -257,17 +257,19 @@ class Engine:
         tokens: list[int] = []
         for step in self.stream(prompt_ids, config, stats):
             tokens.extend(step.tokens)
-        text = ""
-        if self.target.tokenizer is not None:
-            text = TextStream(self.target.tokenizer, config.stop_strings)
-            text.tokens = tokens
-            text = text.text
+        tok = self.target.tokenizer
+        text = decode_text(tok, tokens, config.stop_strings) if tok is not None else ""
         return GenerationResult(tokens, text, stats.finish_reason or "length", stats)
 
 
 def cut_at_stop_string(text: str, stop_strings) -> str:
     cuts = [text.find(s) for s in stop_strings if s and s in text]
     return text[: min(cuts)] if cuts else text
+
+
+def decode_text(tokenizer, tokens: list[int], stop_strings) -> str:
+    """The text of generated tokens as the user sees it: special tokens dropped, cut at a stop string."""
+    return cut_at_stop_string(tokenizer.decode(tokens, skip_special_tokens=True), stop_strings)
 
 
 class TextStream:
@@ -283,7 +285,7 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return cut_at_stop_string(self.tokenizer.decode(self.tokens, skip_special_tokens=True), self.stop_strings)
+        return decode_text(self.tokenizer, self.tokens, self.stop_strings)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
