@@ -162,6 +162,48 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         plot_report(report, plot)
 
 
+def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | None, max_new_tokens: int,
+            block_size: int | None, references: str | None, as_json: str | None, device: str | None) -> None:
+    """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py)."""
+    from .benchdata import load_prompts
+    from .checkpoint import check_fits, load_draft
+    from .replay import reference_continuations, replay
+    from .target import cache_dir, load_target
+    from tqdm import tqdm
+
+    texts = load_prompts(dataset, limit)
+    if max_new_tokens < 1:
+        raise BlockdraftError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    if block_size is not None and block_size < 2:
+        raise BlockdraftError(f"--block-size must be >= 2 to draft anything (got {block_size})")
+    paths = [Path(d) for d in draft] if draft else [bundled_drafter(target)]
+    for path in paths:
+        if path is None or not path.exists():
+            raise BlockdraftError(f"drafter {str(path) if path else '(bundled)'} does not exist; pass --draft DIR")
+    tgt = load_target(target, device=device)
+    drafters = [load_draft(path, device=tgt.device, dtype=tgt.dtype) for path in paths]
+    for d in drafters:
+        check_fits(d.cfg, tgt)
+    prompts = [tgt.encode_prompt(t, tgt.has_chat_template) for t in texts]
+    path = references or cache_dir() / "references" / f"{Path(target).name}.json"
+    refs = reference_continuations(tgt, prompts, max_new_tokens, path)
+    report = {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "reference_tokens": sum(len(r) for r in refs), "drafters": {}}
+    for path, d in zip(paths, drafters):
+        name, b = str(path), block_size or d.block_size
+        per_prompt = [replay(tgt, d, p, r, b, max_new_tokens)
+                      for p, r in tqdm(list(zip(prompts, refs)), desc=f"replay {path.name}", unit="prompt")]
+        taus = [r.tau for r in per_prompt]
+        lengths = [a for r in per_prompt for a in r.acceptance_lengths]
+        report["drafters"][name] = {"block_size": b, "tau": round(sum(taus) / len(taus), 3),
+                                    "tau_per_prompt": [round(t, 3) for t in taus],
+                                    "steps": len(lengths), "acceptance_lengths_total": sum(lengths)}
+        print(f"{name}: tau {report['drafters'][name]['tau']:.3f} (block {b}, {len(prompts)} prompts of "
+              f"{dataset}, {max_new_tokens} new tokens, {len(lengths)} steps)")
+    if as_json:
+        Path(as_json).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
               max_queue: int, default_max_tokens: int, device: str | None) -> None:
     import os
@@ -288,6 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--assistant", default=None, help="assistant model for hf-assisted (an ID or HF directory)")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
 
+    r = sub.add_parser("tau", help="a drafter's tau at temperature 0 by replay against cached greedy references")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--draft", action="append", default=None, help="drafter directory (repeatable; default: bundled)")
+    r.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or a JSONL of {\"prompt\": ...}")
+    r.add_argument("--limit", type=int, default=None)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    r.add_argument("--references", default=None, metavar="FILE",
+                   help="cache of the target's greedy continuations (default: in the blockdraft cache)")
+    r.add_argument("--json", dest="as_json", default=None, metavar="FILE")
+    r.add_argument("--device", default=None)
+
     c = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn, /reset, /exit)")
     c.add_argument("--target", default="smollm2-135m")
     c.add_argument("--draft", default=None, help="drafter directory, or 'none' (default: the bundled one)")
@@ -319,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     try:
         commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "init": cmd_init,
-                    "data": cmd_data, "train": cmd_train, "bench": cmd_bench}
+                    "data": cmd_data, "train": cmd_train, "bench": cmd_bench,
+                    "tau": cmd_tau}
         commands[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)

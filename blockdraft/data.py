@@ -206,8 +206,6 @@ def _target_predictions(target, seqs: list[list[int]], pad_id: int, chunk: int =
 
 
 def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, stop_ids) -> int:
-    import torch
-
     tok = target.tokenizer
     if responses == "dataset":
         outs = []
@@ -215,22 +213,7 @@ def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, st
             resp = tok(p.response + tok.decode(stop_ids[:1]), add_special_tokens=False)["input_ids"]
             outs.append(resp[: settings.max_new_tokens])
     else:
-        width = max(len(ids) for _, ids in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attn = torch.zeros_like(input_ids)
-        for r, (_, ids) in enumerate(batch):  # left padding
-            input_ids[r, width - len(ids):] = torch.tensor(ids)
-            attn[r, width - len(ids):] = 1
-        with torch.inference_mode():
-            gen = target.model.generate(
-                input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device),
-                max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=stop_ids,
-                pad_token_id=pad_id,
-            )[:, width:].tolist()
-        outs = []
-        for row in gen:
-            cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-            outs.append(row[:cut])
+        outs = target.greedy_batch([ids for _, ids in batch], settings.max_new_tokens)
     seqs = [ids + resp for (_, ids), resp in zip(batch, outs)]
     # The dataset's answers are not what the target would say: keep the target's own greedy
     # prediction at every position too (one prefill), for training with `--labels target`.

@@ -144,6 +144,26 @@ class Target:
             taps = torch.cat([out.hidden_states[i + 1] for i in tap_layer_ids], dim=-1)
         return TargetOutput(logits=out.logits, taps=taps)
 
+    @torch.inference_mode()
+    def greedy_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of several prompts at once (transformers `generate`, left padding),
+        each cut after its first stop token. Fast, for data; padding changes float rounding, so a
+        near-tie may go the other way than in unbatched decoding."""
+        stop = self.stop_token_ids
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None \
+            else (stop[0] if stop else 0)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            attn[r, width - len(p):] = 1
+        rows = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=False,
+            max_new_tokens=max_new_tokens, eos_token_id=stop or None, pad_token_id=pad,
+        )[:, width:].tolist()
+        return [row[: next((k + 1 for k, t in enumerate(row) if t in stop), len(row))] for row in rows]
+
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         if chat:
             return self.encode_messages([{"role": "user", "content": prompt}])

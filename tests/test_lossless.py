@@ -1,7 +1,6 @@
 """Greedy speculative decoding must equal plain greedy decoding token for token."""
 
 import pytest
-import torch
 
 from blockdraft.decoding import Engine, GenerationConfig
 from blockdraft.oracle import OracleDraft

@@ -1,6 +1,5 @@
 """Sampling must preserve the target's distribution: statistical tests, not exact match."""
 
-import itertools
 
 import pytest
 import torch

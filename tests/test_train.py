@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockdraft import train as T
-from blockdraft.data import _read_done, split_of
+from blockdraft.data import _read_done, load_samples, split_of
 from blockdraft.draft import DraftCache
 
 from conftest import tiny_draft, tiny_target
@@ -218,3 +218,48 @@ def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
         for a_i, a in enumerate(anchors[r].tolist()):
             if b.weights[r, a_i].sum() > 0:
                 assert b.labels[r, a_i].tolist() == [pred[r]["target_next"][a + k - 1] for k in (1, 2, 3)]
+
+
+def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp_path):
+    """scripts/merge_data.py: regenerated data gets target_next = its own next tokens, ids stay
+    unique, held-out comes from the regenerated source, and copied features equal the source's."""
+    import runpy
+    import shutil
+
+    from blockdraft.features import CachedFeatures, build_feature_cache, feature_dir
+
+    target = tiny_target("llama")
+    regen, orig = tmp_path / "regen", tmp_path / "orig"
+    shutil.copytree(tiny_run / "data", regen)
+    rows = [json.loads(x) for x in open(regen / "samples.jsonl")]
+    rows[0]["split"] = "heldout"
+    (regen / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    orig.mkdir()
+    (orig / "samples.jsonl").write_text("".join(
+        json.dumps({**r, "split": "heldout" if i == 1 else "train", "target_next": [3] * len(r["input_ids"])}) + "\n"
+        for i, r in enumerate(rows[:5])))
+    for d, kind in ((regen, "target"), (orig, "dataset")):
+        (d / "manifest.json").write_text(json.dumps({"settings": {"responses": kind}}))
+    taps = [1, 3, 5]
+    build_feature_cache(regen, "train", [r for r in rows if r["split"] == "train"], target, taps, progress=False)
+    argv = sys.argv
+    sys.argv = ["merge_data.py", str(tmp_path / "mix"), str(regen), str(orig)]
+    try:
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "scripts", "merge_data.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    train = load_samples(tmp_path / "mix", "train")
+    held = load_samples(tmp_path / "mix", "heldout")
+    assert len(train) == 11 + 4 and [r["id"] for r in held] == ["regen/0"]  # orig's held-out left out
+    assert len({r["id"] for r in train}) == len(train)
+    for r in train:
+        if r["id"].startswith("regen/"):
+            assert r["target_next"][:-1] == r["input_ids"][1:]
+        else:
+            assert set(r["target_next"]) == {3}
+    assert json.loads((feature_dir(tmp_path / "mix", "train", taps) / "progress.json").read_text())["done"] == 11
+    feats = build_feature_cache(tmp_path / "mix", "train", train, target, taps, progress=False)  # computes the rest
+    src = CachedFeatures(feature_dir(regen, "train", taps))
+    assert torch.equal(feats.get(0), src.get(0)) and torch.equal(feats.get(10), src.get(10))
+    alone = target.forward(torch.tensor([train[12]["input_ids"]]), target.new_cache(), taps, logits_at=1).taps[0]
+    torch.testing.assert_close(feats.get(12), alone.half().float())

@@ -1,0 +1,106 @@
+"""tau by replay must give the engine's own acceptance lengths, step for step."""
+
+import json
+
+import pytest
+import torch
+
+from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.oracle import OracleDraft
+from blockdraft.replay import reference_continuations, replay
+
+from conftest import tiny_draft, tiny_target
+
+PROMPTS = [[5, 17, 33, 2], [7] * 12, list(range(3, 40))]
+
+
+def engine_lengths(target, draft, prompt, n, block_size, stop=()):
+    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=stop)
+    out = Engine(target, draft).generate(prompt, cfg)
+    return out.token_ids, out.stats.acceptance_lengths
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 8])
+def test_replay_equals_engine_random_drafter(target, block_size):
+    draft = tiny_draft(target, block_size=8)
+    for prompt in PROMPTS:
+        tokens, lengths = engine_lengths(target, draft, prompt, 40, block_size)
+        assert replay(target, draft, prompt, tokens, block_size, 40).acceptance_lengths == lengths
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.8, 1.0])
+def test_replay_equals_engine_partial_acceptance(target, keep):
+    """An oracle drafter gives long, varied acceptance; its random draws happen in call order,
+    so the replay must make the same draft calls in the same order to agree."""
+    plain = Engine(target)
+    for prompt in PROMPTS:
+        truth = plain.generate(prompt, GenerationConfig(max_new_tokens=50, stop_token_ids=())).token_ids
+        base = tiny_draft(target, block_size=8)
+        _, lengths = engine_lengths(target, OracleDraft(base, truth, len(prompt), keep, seed=4), prompt, 50, 8)
+        got = replay(target, OracleDraft(base, truth, len(prompt), keep, seed=4), prompt, truth, 8, 50)
+        assert got.acceptance_lengths == lengths
+        assert sum(lengths) + 1 == len(truth)
+        if keep == 1.0:
+            assert got.tau > 5
+        assert got.tau == pytest.approx(sum(lengths) / len(lengths))
+
+
+def test_replay_at_a_stop_token():
+    """The reference ends at EOS; the engine's last step is cut there, and so is the replay's."""
+    target = tiny_target("llama")
+    plain = Engine(target)
+    free = plain.generate(PROMPTS[2], GenerationConfig(max_new_tokens=40, stop_token_ids=())).token_ids
+    stop = (free[25],)
+    truth = plain.generate(PROMPTS[2], GenerationConfig(max_new_tokens=40, stop_token_ids=stop)).token_ids
+    assert truth[-1] == stop[0] and len(truth) < 40
+    base = tiny_draft(target, block_size=8)
+    _, lengths = engine_lengths(target, OracleDraft(base, truth, len(PROMPTS[2]), 1.0), PROMPTS[2], 40, 8, stop)
+    got = replay(target, OracleDraft(base, truth, len(PROMPTS[2]), 1.0), PROMPTS[2], truth, 8, 40)
+    assert got.acceptance_lengths == lengths and sum(lengths) + 1 == len(truth)
+
+
+def test_references_are_plain_greedy_and_cached(tmp_path):
+    target = tiny_target("qwen3")
+    path = tmp_path / "refs.json"
+    refs = reference_continuations(target, PROMPTS, 30, path, batch_size=2, progress=False)
+    plain = Engine(target)
+    for prompt, ref in zip(PROMPTS, refs):
+        assert ref == plain.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids
+    cached = json.loads(path.read_text())
+    assert len(cached) == 3
+    # a second call reads the file and generates nothing: planted values come back as they are
+    key = next(iter(cached))
+    cached[key] = [1, 2, 3]
+    path.write_text(json.dumps(cached))
+    again = reference_continuations(target, PROMPTS, 30, path, progress=False)
+    assert [1, 2, 3] in again
+    assert reference_continuations(target, PROMPTS, 31, path, progress=False)[0] != [1, 2, 3]
+
+
+def test_cli_tau_refuses_bad_input(capsys):
+    from blockdraft.cli import main
+
+    assert main(["tau", "--draft", "no/such/dir", "--limit", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["tau", "--block-size", "1", "--limit", "1"]) == 2
+    assert "block-size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_replay_equals_engine_on_smollm2_with_the_bundled_drafter():
+    from blockdraft.checkpoint import load_draft
+    from blockdraft.cli import bundled_drafter
+    from blockdraft.target import load_target
+
+    if bundled_drafter("smollm2-135m") is None:
+        pytest.skip("no bundled drafter")
+    torch.set_num_threads(2)
+    target = load_target("smollm2-135m", device="cpu")
+    draft = load_draft(bundled_drafter("smollm2-135m"))
+    prompts = [target.encode_prompt(t, chat=True) for t in
+               ["Write a Python function that checks whether a number is prime.", "Name three planets."]]
+    refs = reference_continuations(target, prompts, 64, None, progress=False)
+    for prompt, ref in zip(prompts, refs):
+        tokens, lengths = engine_lengths(target, draft, prompt, 64, 16, tuple(target.stop_token_ids))
+        assert tokens == ref
+        assert replay(target, draft, prompt, ref, 16, 64).acceptance_lengths == lengths
