@@ -356,6 +356,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         return {"step": step, "heldout_tau": round(tau, 3) if tau == tau else None, "heldout_acc": acc}
 
     per_rank = cfg.batch_size // world
+    if rank == 0 and heldout and cfg.eval_every and step == 0:  # where a run starts (e.g. from --init DIR)
+        log.write(json.dumps({**evaluate(), "elapsed": 0.0}) + "\n")
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
     t_start, window_tokens, t_window = time.perf_counter() - elapsed, 0, time.perf_counter()
     while step < cfg.max_steps:

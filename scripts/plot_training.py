@@ -1,39 +1,50 @@
-"""Plot held-out tau (and block-position-1 accuracy) against training tokens from a run's
-log.jsonl, as a dependency-free SVG:  python scripts/plot_training.py runs/drafter/log.jsonl out.svg"""
+"""Held-out tau and block-position-1 accuracy against training sequences seen, from a run's
+log.jsonl (its evaluation rows), as a PNG (matplotlib, in the dev extra):
+
+    python scripts/plot_training.py runs/drafter/log.jsonl docs/drafter-tau.png [--start TAU ACC1]
+
+--start adds the point at 0 sequences (e.g. the drafter a run was initialised from, scored by
+scripts/heldout_accuracy.py on the same held-out split)."""
 
 import json
 import sys
 
 
-def polyline(points, x_max, y_max, color, w=560, h=300, pad=50):
-    coords = " ".join(f"{pad + x / x_max * w:.1f},{pad + h - y / y_max * h:.1f}" for x, y in points)
-    return f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>'
+def main(log_path: str, out_path: str, start: tuple[float, float] | None = None) -> None:
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def main(log_path: str, out_path: str) -> None:
     rows = [json.loads(line) for line in open(log_path)]
-    train = [r for r in rows if "loss" in r]
+    seen = {r["step"]: r["samples_seen"] for r in rows if "loss" in r}
     evals = [r for r in rows if r.get("heldout_tau") is not None]
-    tokens_at = {r["step"]: r["samples_seen"] for r in train}
-    # x axis: training samples seen (each holds `anchors` blocks of block_size tokens)
-    tau = [(tokens_at.get(r["step"], 0), r["heldout_tau"]) for r in evals]
-    # drawn on the tau scale, +1: held-out accuracy where the log has it, else the training batch's
-    acc1 = [(tokens_at.get(r["step"], 0), 1 + r["heldout_acc"][0]) for r in evals if r.get("heldout_acc")]
-    acc1 = acc1 or [(r["samples_seen"], 1 + r["acc"][0]) for r in train]
-    x_max = max([x for x, _ in tau + acc1] + [1])
-    y_max = max([y for _, y in tau + acc1] + [2.0]) * 1.1
-    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="660" height="400" font-family="sans-serif" font-size="12">',
-             '<rect width="660" height="400" fill="white"/>',
-             '<line x1="50" y1="350" x2="610" y2="350" stroke="black"/><line x1="50" y1="50" x2="50" y2="350" stroke="black"/>',
-             f'<text x="330" y="385" text-anchor="middle">training sequences seen (max {x_max})</text>',
-             f'<text x="55" y="45">y max {y_max:.2f}; blue: held-out tau; grey: 1 + accuracy at block position 1 (held out if logged)</text>']
-    if acc1:
-        parts.append(polyline(acc1, x_max, y_max, "#aaa"))
-    if tau:
-        parts.append(polyline(tau, x_max, y_max, "#1f5fbf"))
-    parts.append("</svg>")
-    open(out_path, "w").write("\n".join(parts))
+    per_step = max((r["samples_seen"] / r["step"] for r in rows if "loss" in r), default=1)
+    x = [seen.get(r["step"], r["step"] * per_step) for r in evals]
+    tau = [r["heldout_tau"] for r in evals]
+    acc = [r["heldout_acc"][0] if r.get("heldout_acc") else float("nan") for r in evals]
+    if start:
+        x, tau, acc = [0] + x, [start[0]] + tau, [start[1]] + acc
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, tau, "o-", color="#1f5fbf", label="held-out tau (block 16, by replay)")
+    ax.set_xlabel("training sequences seen")
+    ax.set_ylabel("tau")
+    ax2 = ax.twinx()
+    ax2.plot(x, acc, "s--", color="#888", label="held-out accuracy, block position 1")
+    ax2.set_ylabel("accuracy at position 1")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [h.get_label() for h in lines], loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    args = sys.argv[1:]
+    start = None
+    if "--start" in args:
+        i = args.index("--start")
+        start = (float(args[i + 1]), float(args[i + 2]))
+        args = args[:i] + args[i + 3:]
+    if len(args) != 2:
+        sys.exit(__doc__)
+    main(args[0], args[1], start)

@@ -181,8 +181,10 @@ def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_pa
         lines.append(json.dumps(rec))
     (data / "samples.jsonl").write_text("\n".join(lines) + "\n")
     T.train(_cfg(tiny_run, tmp_path / "out", data=str(data), max_steps=2, head_vocab=16, eval_prompts=2,
-                 eval_tokens=8), progress=False)
-    final = [json.loads(x) for x in open(tmp_path / "out" / "log.jsonl")][-1]
+                 eval_every=2, eval_tokens=8), progress=False)
+    rows = [json.loads(x) for x in open(tmp_path / "out" / "log.jsonl")]
+    assert [r["step"] for r in rows if "heldout_tau" in r] == [0, 2, 2]  # the start, step 2, the end
+    final = rows[-1]
     assert final["final"] and final["heldout_tau"] >= 1.0
     assert len(final["heldout_acc"]) == 5 and all(0 <= a <= 1 for a in final["heldout_acc"])
 
