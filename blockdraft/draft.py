@@ -212,13 +212,12 @@ class DraftModel(nn.Module):
             cache.length += context_taps.shape[1]
         return self.norm(x)
 
-    def block_logits(
-        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
-        anchor: int, position: int, block: int,
+    def block_hidden(
+        self, embed: nn.Module, cache: DraftCache, context_taps: torch.Tensor, anchor: int, position: int, block: int,
     ) -> torch.Tensor:
         """One draft forward on [anchor, mask x (block-1)] at positions position..position+block-1,
-        with the target's embedding and LM head. Absorbs the pending context taps [1, Tc, K*H]
-        into the cache; returns the draft logits [block-1, V] for positions 1..block-1."""
+        with the target's embedding. Absorbs the pending context taps [1, Tc, K*H] into the cache;
+        returns the final hidden states [block-1, H] of positions 1..block-1 (apply the LM head)."""
         device = context_taps.device
         ids = torch.full((1, block), self.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
@@ -229,7 +228,14 @@ class DraftModel(nn.Module):
             torch.arange(cache.length, cache.length + context_taps.shape[1], device=device),
             cache,
         )  # [1, block, H]
-        return lm_head(hidden[0, 1:])
+        return hidden[0, 1:]
+
+    def block_logits(
+        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
+        anchor: int, position: int, block: int,
+    ) -> torch.Tensor:
+        """The draft logits [block-1, V] of one block (see `block_hidden`)."""
+        return lm_head(self.block_hidden(embed, cache, context_taps, anchor, position, block))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
