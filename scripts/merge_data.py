@@ -24,6 +24,48 @@ import numpy as np
 from blockdraft.data import load_samples
 
 
+def _cached_rows(sources: list[str], tag: str) -> dict:
+    """(source, merged id) -> (cache dir, row index) for train samples whose features are cached."""
+    out = {}
+    for src in sources:
+        cdir = Path(src) / tag
+        if not (cdir / "progress.json").exists():
+            continue
+        ids = json.loads((cdir / "index.json").read_text())["ids"]
+        done = json.loads((cdir / "progress.json").read_text())["done"]
+        for j, sid in enumerate(ids[:done]):
+            out[(src, f"{Path(src).name}/{sid}")] = (cdir, j)
+    return out
+
+
+def _copy_features(dest: Path, train: list[dict], where: dict) -> int:
+    """Write the merged cache's leading rows that the sources have; return how many."""
+    n = 0
+    while n < len(train) and (train[n]["source"], train[n]["id"]) in where:
+        n += 1
+    if n == 0:
+        return 0
+    dest.mkdir()
+    offsets = np.concatenate([[0], np.cumsum([len(r["input_ids"]) for r in train])]).tolist()
+    readers: dict = {}
+    arr = None
+    for i in range(n):
+        cdir, j = where[(train[i]["source"], train[i]["id"])]
+        if cdir not in readers:
+            meta = json.loads((cdir / "index.json").read_text())
+            readers[cdir] = (meta["offsets"], np.memmap(cdir / "features.f16", dtype=np.float16, mode="r",
+                                                        shape=(meta["offsets"][-1], meta["width"])))
+        src_off, src = readers[cdir]
+        if arr is None:
+            width = src.shape[1]
+            arr = np.memmap(dest / "features.f16", dtype=np.float16, mode="w+", shape=(offsets[-1], width))
+        arr[offsets[i] : offsets[i + 1]] = src[src_off[j] : src_off[j + 1]]
+    arr.flush()
+    (dest / "index.json").write_text(json.dumps({"offsets": offsets, "width": width, "ids": [r["id"] for r in train]}))
+    (dest / "progress.json").write_text(json.dumps({"done": n}))
+    return n
+
+
 def main(out: str, sources: list[str]) -> None:
     out_dir = Path(out)
     if (out_dir / "samples.jsonl").exists():
@@ -31,57 +73,34 @@ def main(out: str, sources: list[str]) -> None:
     settings = [json.loads((Path(s) / "manifest.json").read_text())["settings"] for s in sources]
     own = [st["responses"] == "target" for st in settings]
     heldout_from = own if any(own) else [True] * len(sources)
-    train, heldout, cached = [], [], []  # cached: (source, feature dir, index in source) per train sample
+    train, heldout = [], []
     for src, st, use_heldout in zip(sources, settings, heldout_from):
         name = Path(src).name
-        rows = load_samples(src, None)
-        caches = sorted(Path(src).glob("features-train-taps-*"))
-        idx = json.loads((caches[0] / "index.json").read_text()) if caches else {"ids": []}
-        done = json.loads((caches[0] / "progress.json").read_text())["done"] if caches else 0
-        position = {sid: i for i, sid in enumerate(idx["ids"][:done])}
-        for r in rows:
+        for r in load_samples(src, None):
             if "target_next" not in r:
                 if st["responses"] != "target":
                     sys.exit(f"{src}: sample {r['id']} has no target predictions (made before they were stored?)")
                 r["target_next"] = r["input_ids"][1:] + [r["input_ids"][-1]]
-            r["id"] = f"{name}/{r['id']}"
-            if r["split"] == "heldout":
-                if use_heldout:
-                    heldout.append(r)
-            else:
-                sid = r["id"].split("/", 1)[1]
+            r["source"], r["id"] = src, f"{name}/{r['id']}"
+            if r["split"] == "train":
                 train.append(r)
-                cached.append((caches[0], position[sid]) if sid in position else None)
-    # samples with cached features first, so that the copied prefix is as long as possible
-    order = sorted(range(len(train)), key=lambda i: cached[i] is None)
-    train, cached = [train[i] for i in order], [cached[i] for i in order]
+            elif use_heldout:
+                heldout.append(r)
+    # one feature cache per tap set the first source has; samples with cached features go first
+    tags = sorted(p.name for p in Path(sources[0]).glob("features-train-taps-*"))
+    where = {tag: _cached_rows(sources, tag) for tag in tags}
+    if tags:
+        first = where[tags[0]]
+        train.sort(key=lambda r: (r["source"], r["id"]) not in first)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "samples.jsonl", "w") as f:
         for r in train + heldout:
-            f.write(json.dumps(r) + "\n")
+            f.write(json.dumps({k: v for k, v in r.items() if k != "source"}) + "\n")
     (out_dir / "manifest.json").write_text(json.dumps(
         {"settings": {"merged_from": [str(s) for s in sources], "sources": settings}, "format": 1}, indent=2) + "\n")
-
-    n_cached = next((i for i, c in enumerate(cached) if c is None), len(cached))
-    if n_cached:
-        tag = cached[0][0].name  # features-train-taps-...
-        dest = out_dir / tag
-        dest.mkdir()
-        offsets = np.concatenate([[0], np.cumsum([len(r["input_ids"]) for r in train])]).tolist()
-        width = json.loads((cached[0][0] / "index.json").read_text())["width"]
-        arr = np.memmap(dest / "features.f16", dtype=np.float16, mode="w+", shape=(offsets[-1], width))
-        readers: dict = {}
-        for i in range(n_cached):
-            cdir, j = cached[i]
-            if cdir not in readers:
-                meta = json.loads((cdir / "index.json").read_text())
-                readers[cdir] = (meta["offsets"], np.memmap(cdir / "features.f16", dtype=np.float16, mode="r",
-                                                            shape=(meta["offsets"][-1], meta["width"])))
-            src_off, src = readers[cdir]
-            arr[offsets[i] : offsets[i + 1]] = src[src_off[j] : src_off[j + 1]]
-        arr.flush()
-        (dest / "index.json").write_text(json.dumps({"offsets": offsets, "width": width, "ids": [r["id"] for r in train]}))
-        (dest / "progress.json").write_text(json.dumps({"done": n_cached}))
+    n_cached = 0
+    for tag in tags:
+        n_cached = max(n_cached, _copy_features(out_dir / tag, train, where[tag]))
     print(f"{out_dir}: {len(train)} train ({n_cached} with copied features), {len(heldout)} held out; "
           f"{sum(sum(r['loss_mask']) for r in train)} train response tokens")
 
