@@ -6,7 +6,9 @@ Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), 
 decoding), `hf-assisted` (transformers assisted generation with a given assistant model),
 `oracle` (the drafter's real forward, but proposing the target's own greedy continuation, each
 token kept with probability `oracle_keep`; `oracle@K` sets K per method, so several can run side by
-side): the engine's speed at a controlled tau, apart from drafter quality. Speedups are ratios of
+side). A `:B` suffix fixes the block size of one engine method (`oracle@0.9:16`, `dflash:8`) while
+the others keep `--block-size` or the adaptive policy: the engine's speed at a controlled tau, apart
+from drafter quality. Speedups are ratios of
 end-to-end tokens/s (prefill included) measured in this run; `decode_tok_s` excludes prefill where
 it is known; transformers reports no acceptance, so its methods have no tau (plain `hf`: 1).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,26 +30,47 @@ METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
 
 
-def oracle_keep_of(method: str, default: float) -> float:
-    """The keep probability of `oracle@K` (K), or `default` for plain `oracle`."""
-    if "@" not in method:
-        return default
-    try:
-        keep = float(method.split("@", 1)[1])
-    except ValueError:
-        keep = -1.0
-    if not 0 <= keep <= 1:
-        raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
-    return keep
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of `--methods`: `name[@keep][:block]`."""
+
+    name: str  # one of METHODS
+    keep: float | None = None  # oracle only: probability each proposal is kept
+    block_size: int | None = None  # dflash / oracle only: a fixed block for this method
+
+
+def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
+    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16); a BlockdraftError for anything unknown."""
+    head, block = method, None
+    if ":" in method:
+        head, tail = method.split(":", 1)
+        if not tail.isdigit() or int(tail) < 1:
+            raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
+        block = int(tail)
+    name, keep = head, None
+    if "@" in head:
+        name, k = head.split("@", 1)
+        if name != "oracle":
+            raise BlockdraftError(f"{method!r}: only oracle takes a keep probability ('oracle@K')")
+        try:
+            keep = float(k)
+        except ValueError:
+            keep = -1.0
+        if not 0 <= keep <= 1:
+            raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
+    if name not in METHODS:
+        raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
+    if block is not None and name not in ("dflash", "oracle"):
+        raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
+    if name == "oracle" and keep is None:
+        keep = default_keep
+    return MethodSpec(name, keep, block)
 
 
 def check_methods(methods) -> tuple[str, ...]:
-    """Known names, `oracle@K` with K in [0, 1] included; a BlockdraftError otherwise."""
+    """Each method parses (`parse_method`) and appears once; a BlockdraftError otherwise."""
     for m in methods:
-        if m.startswith("oracle@"):
-            oracle_keep_of(m, 0.0)
-        elif m not in METHODS:
-            raise BlockdraftError(f"unknown method {m!r}; choose from {list(METHODS)} or oracle@K")
+        parse_method(m)
     if not methods or len(set(methods)) != len(methods):
         raise BlockdraftError(f"give each method once (got {list(methods)})")
     return tuple(methods)
@@ -147,46 +170,53 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
 
 
-def ceiling_speedup(costs: dict, tau: float) -> float:
+def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> float:
     """tau * t(1) / (t_verify(B) + t_draft): the speedup over plain decoding if nothing but the
-    two forwards cost time."""
-    b = costs["block_size"]
+    two forwards cost time (B: the measured block unless given; the draft cost is the measured one)."""
+    b = block_size or costs["block_size"]
     return tau * costs["t_target"][1] / (costs["t_target"][b] + costs["t_draft"])
 
 
 def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
-              progress: bool = True, oracle_keep: float = 0.9, assistant=None) -> dict:
+              progress: bool = True, oracle_keep: float = 0.9, assistant=None,
+              references: list[list[int]] | None = None) -> dict:
+    """`references`: each prompt's greedy continuation for the oracle (computed here when None)."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
-    oracles = {m: oracle_keep_of(m, oracle_keep) for m in methods if m.startswith("oracle")}
+    if not 0 <= oracle_keep <= 1:
+        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
+    specs = {m: parse_method(m, oracle_keep) for m in methods}
+    oracles = [m for m in methods if specs[m].name == "oracle"]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
-    if ("dflash" in methods or oracles) and draft is None:
+    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size) for m in methods}
+    if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
-    if not 0 <= oracle_keep <= 1:
-        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
+    if references is not None and len(references) != len(prompts):
+        raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
     engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
 
-    truth: dict[tuple, list[int]] = {}  # greedy continuation per prompt, for the oracle
+    truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
     def run(method, ids, res):
-        if method == "hf":
+        name = specs[method].name
+        if name == "hf":
             return _run_hf(target, ids, cfg, res)
-        if method == "hf-pld":
+        if name == "hf-pld":
             return _run_hf(target, ids, cfg, res, prompt_lookup_num_tokens=PLD_TOKENS)
-        if method == "hf-assisted":
+        if name == "hf-assisted":
             return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
-        if method in oracles:
+        if name == "oracle":
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
                 truth[key] = engines["ar"].generate(ids, cfg).token_ids
-            oracle = OracleDraft(draft, truth[key], len(ids), oracles[method], seed=len(truth))
-            return _run_engine(Engine(target, oracle), ids, cfg, res)
-        return _run_engine(engines[method], ids, cfg, res)
+            oracle = OracleDraft(draft, truth[key], len(ids), specs[method].keep, seed=len(truth))
+            return _run_engine(Engine(target, oracle), ids, cfgs[method], res)
+        return _run_engine(engines[name], ids, cfgs[method], res)
 
     for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
         for m in methods:
@@ -197,11 +227,13 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         for m in order:
             results[m].outputs.append(run(m, ids, results[m]))
     b = block_size or (draft.block_size if draft is not None else 1)
-    report = {m: r.summary(b) for m, r in results.items()}
-    costs = measure_costs(target, draft, prompts[0], b)
-    for m in ("dflash", *oracles):
-        if m in report and report[m]["tau"]:
-            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, report[m]["tau"]), 3)
+    blocks = {m: specs[m].block_size or b for m in methods}
+    report = {m: r.summary(blocks[m]) for m, r in results.items()}
+    costs = measure_costs(target, draft, prompts[0], max(blocks.values()))
+    for m in methods:
+        if specs[m].name in ("dflash", "oracle") and report[m]["tau"]:
+            report[m]["block_size"] = cfgs[m].block_size or "adaptive"
+            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, report[m]["tau"], blocks[m]), 3)
     mismatches = []
     if temperature == 0 and "hf" in results:
         ref = results["hf"].outputs
@@ -215,7 +247,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                 if report[m]["tok_s"]:
                     report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
     return {"methods": report, "mismatches": mismatches, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "oracle_keep": {m: k for m, k in oracles.items()} or None,
+            "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"]},
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
@@ -252,7 +284,7 @@ def plot_report(report: dict, path: str) -> None:
     names = list(methods)
     base = "ar" if all(methods[m].get("speedup_vs_ar") for m in names) else "hf"
     bars = [methods[m].get(f"speedup_vs_{base}") or 0 for m in names]
-    axes[0].bar(names, bars, color=["#3b7dd8" if m == "dflash" else "#999999" for m in names])
+    axes[0].bar(names, bars, color=["#3b7dd8" if m.startswith("dflash") else "#999999" for m in names])
     axes[0].axhline(1.0, color="black", lw=0.8)
     axes[0].set_ylabel(f"speedup over {base} (end-to-end tokens/s)")
     axes[0].set_title(f"{report.get('dataset', '')}, {report['prompts']} prompts, {report['max_new_tokens']} tokens")
@@ -274,7 +306,7 @@ def plot_report(report: dict, path: str) -> None:
                      for m in oracles)
         axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="measured")
         axes[2].plot([p[0] for p in pts], [p[2] for p in pts], ls="--",
-                     label=f"cost-model ceiling at block {report['block_size']}")
+                     label="cost-model ceiling at each oracle's block")
         axes[2].axhline(1.0, color="black", lw=0.8)
         axes[2].set_xlabel("tau (oracle drafter)")
         axes[2].set_ylabel("speedup over ar")

@@ -143,7 +143,7 @@ def cmd_data(out: str, source: str, target: str, responses: str, limit: int, bat
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
               device: str | None, oracle_keep: float, assistant: str | None, plot: str | None) -> None:
-    from .bench import check_methods, dump, format_table, plot_report, run_bench
+    from .bench import check_methods, dump, format_table, parse_method, plot_report, run_bench
     from .benchdata import load_prompts
     from .target import load_target
 
@@ -152,8 +152,16 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     engine = load_engine(target, draft, device)
     helper = load_target(assistant, device=engine.target.device) if assistant else None
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
+    refs = None
+    if temperature == 0 and any(parse_method(m).name == "oracle" for m in chosen):
+        # the oracle's greedy continuations: batched and cached, shared with `blockdraft tau`
+        from .replay import reference_continuations
+        from .target import cache_dir
+
+        refs = reference_continuations(engine.target, prompts, max_new_tokens,
+                                       cache_dir() / "references" / f"{Path(target).name}.json")
     report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
-                       oracle_keep=oracle_keep, assistant=helper)
+                       oracle_keep=oracle_keep, assistant=helper, references=refs)
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
@@ -321,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
-                   help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K")
+                   help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
+                        "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16)")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)

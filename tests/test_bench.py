@@ -27,7 +27,8 @@ def test_datasets_load_offline(tmp_path):
 def test_report_schema_and_identical_outputs():
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=4)
-    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=12, progress=False,
+    # a fixed block: the adaptive policy's choices depend on timings, so its tau is not a test's
+    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=12, block_size=4, progress=False,
                              oracle_keep=1.0)
     json.loads(bench.dump(report))
     assert report["mismatches"] == []
@@ -74,9 +75,44 @@ def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_pat
 
 
 def test_bad_method_lists_are_refused():
-    for bad in (("nope",), ("oracle@2",), ("oracle@x",), ("ar", "ar"), ()):
+    for bad in (("nope",), ("oracle@2",), ("oracle@x",), ("ar", "ar"), (), ("ar:4",), ("hf-pld:8",),
+                ("dflash@0.5",), ("oracle:0",), ("oracle@0.9:x",)):
         with pytest.raises(BlockdraftError):
             bench.check_methods(bad)
     target = tiny_target("llama")
     with pytest.raises(BlockdraftError, match="assistant"):
         bench.run_bench(target, None, [[1, 2]], ("hf-assisted",), max_new_tokens=4, progress=False)
+
+
+def test_method_specs_parse():
+    assert bench.parse_method("oracle@0.9:16") == bench.MethodSpec("oracle", 0.9, 16)
+    assert bench.parse_method("oracle", 0.7) == bench.MethodSpec("oracle", 0.7, None)
+    assert bench.parse_method("dflash:8") == bench.MethodSpec("dflash", None, 8)
+    assert bench.parse_method("hf-pld") == bench.MethodSpec("hf-pld")
+
+
+def test_a_method_block_size_and_given_references():
+    """`oracle@1:3` runs at block 3 while `dflash` keeps the run's block; the oracle takes the given
+    greedy continuations instead of computing them, and a wrong one only costs acceptance."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=4)
+    prompts = [[1, 2, 3], [4, 5]]
+    refs = bench.run_bench(target, None, prompts, ("ar",), max_new_tokens=12, progress=False)
+    from blockdraft.decoding import Engine, GenerationConfig
+
+    truth = [Engine(target).generate(p, GenerationConfig(max_new_tokens=12)).token_ids for p in prompts]
+    report = bench.run_bench(target, draft, prompts, ("dflash", "hf", "oracle@1:3", "oracle@1"), max_new_tokens=12,
+                             block_size=4, progress=False, references=truth)
+    assert report["mismatches"] == []
+    m = report["methods"]
+    assert len(m["oracle@1:3"]["acceptance_histogram"]) == 3 and 2 < m["oracle@1:3"]["tau"] <= 3
+    assert len(m["oracle@1"]["acceptance_histogram"]) == 4 and m["oracle@1"]["tau"] > 3
+    assert m["oracle@1:3"]["block_size"] == 3 and m["dflash"]["block_size"] == 4
+    assert sorted(report["cost_model_seconds"]["target_forward_by_tokens"]) == [1, 2, 3, 4]
+    wrong = [[(t + 1) % 96 for t in r] for r in truth]
+    report = bench.run_bench(target, draft, prompts, ("hf", "oracle@1"), max_new_tokens=12, block_size=4,
+                             progress=False, references=wrong)
+    assert report["mismatches"] == [] and report["methods"]["oracle@1"]["tau"] < 2
+    with pytest.raises(BlockdraftError, match="references"):
+        bench.run_bench(target, draft, prompts, ("oracle",), max_new_tokens=4, progress=False, references=truth[:1])
+    assert refs["methods"]["ar"]["tokens"] == 24
