@@ -2,7 +2,8 @@
 prompt by prompt after a warm-up, with an identical-output check at temperature 0.
 
 Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), `hf`
-(transformers `generate`, as a user would call it), `hf-pld` (transformers prompt-lookup
+(transformers `generate`, as a user would call it), `dflash+lookup` / `ar+lookup` (our engine
+with prompt-lookup proposals as well, see lookup.py), `hf-pld` (transformers prompt-lookup
 decoding), `hf-assisted` (transformers assisted generation with a given assistant model),
 `oracle` (the drafter's real forward, but proposing the target's own greedy continuation, each
 token kept with probability `oracle_keep`; `oracle@K` sets K per method, so several can run side by
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .decoding import Engine, GenerationConfig, GenerationStats
+from .decoding import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats
 from .errors import BlockdraftError
 from .oracle import OracleDraft
 from .verify import SamplingParams
@@ -37,16 +38,20 @@ class MethodSpec:
     name: str  # one of METHODS
     keep: float | None = None  # oracle only: probability each proposal is kept
     block_size: int | None = None  # dflash / oracle only: a fixed block for this method
+    lookup: bool = False  # dflash / ar only (`dflash+lookup`): prompt-lookup proposals too
 
 
 def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
-    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16); a BlockdraftError for anything unknown."""
+    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash+lookup` -> MethodSpec("dflash",
+    lookup=True); a BlockdraftError for anything unknown."""
     head, block = method, None
     if ":" in method:
         head, tail = method.split(":", 1)
         if not tail.isdigit() or int(tail) < 1:
             raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
         block = int(tail)
+    lookup = head.endswith("+lookup")
+    head = head.removesuffix("+lookup")
     name, keep = head, None
     if "@" in head:
         name, k = head.split("@", 1)
@@ -62,9 +67,11 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
     if block is not None and name not in ("dflash", "oracle"):
         raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
+    if lookup and name not in ("dflash", "ar"):
+        raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup'")
     if name == "oracle" and keep is None:
         keep = default_keep
-    return MethodSpec(name, keep, block)
+    return MethodSpec(name, keep, block, lookup)
 
 
 def check_methods(methods) -> tuple[str, ...]:
@@ -84,6 +91,7 @@ class MethodResult:
     decode_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)  # per request
+    lookup_steps: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     def summary(self, block_size: int) -> dict:
@@ -94,6 +102,7 @@ class MethodResult:
             "decode_tok_s": round(self.decode_tokens / self.decode_seconds, 2) if self.decode_seconds else None,
             "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
             "acceptance_histogram": hist,
+            **({"lookup_steps": self.lookup_steps} if self.lookup_steps else {}),
         }
 
 
@@ -106,6 +115,7 @@ def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -
     res.decode_tokens += max(out.num_new_tokens - 1, 0)
     res.acceptance_lengths += out.stats.acceptance_lengths
     res.taus.append(out.stats.tau)
+    res.lookup_steps += out.stats.lookup_steps
     return out.token_ids
 
 
@@ -191,14 +201,17 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     oracles = [m for m in methods if specs[m].name == "oracle"]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
                            sampling=SamplingParams(temperature=temperature, seed=0))
-    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size) for m in methods}
+    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
         raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
-    engines = {"dflash": Engine(target, draft) if draft is not None else None, "ar": Engine(target)}
+    # one engine per method: what one method's adaptive policies learn must not help another
+    engines = {m: Engine(target, draft if specs[m].name == "dflash" else None)
+               for m in methods if specs[m].name in ("dflash", "ar")}
+    plain = engines.get("ar") or Engine(target)
 
     truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
@@ -213,10 +226,10 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         if name == "oracle":
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
-                truth[key] = engines["ar"].generate(ids, cfg).token_ids
+                truth[key] = plain.generate(ids, cfg).token_ids
             oracle = OracleDraft(draft, truth[key], len(ids), specs[method].keep, seed=len(truth))
             return _run_engine(Engine(target, oracle), ids, cfgs[method], res)
-        return _run_engine(engines[name], ids, cfgs[method], res)
+        return _run_engine(engines[method], ids, cfgs[method], res)
 
     for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
         for m in methods:
@@ -227,12 +240,13 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         for m in order:
             results[m].outputs.append(run(m, ids, results[m]))
     b = block_size or (draft.block_size if draft is not None else 1)
-    blocks = {m: specs[m].block_size or b for m in methods}
+    blocks = {m: specs[m].block_size or (max(b, LOOKUP_BLOCK) if specs[m].lookup else b) for m in methods}
     report = {m: r.summary(blocks[m]) for m, r in results.items()}
     costs = measure_costs(target, draft, prompts[0], max(blocks.values()))
     for m in methods:
-        if specs[m].name in ("dflash", "oracle") and report[m]["tau"]:
+        if specs[m].name in ("dflash", "oracle") or specs[m].lookup:
             report[m]["block_size"] = cfgs[m].block_size or "adaptive"
+        if specs[m].name in ("dflash", "oracle") and not specs[m].lookup and report[m]["tau"]:
             report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, report[m]["tau"], blocks[m]), 3)
     mismatches = []
     if temperature == 0 and "hf" in results:

@@ -62,7 +62,7 @@ def load_engine(target: str, draft: str | None, device: str | None = None):
 def cmd_generate(
     target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-    block_size: int | None, stop: list[str], as_json: bool, device: str | None,
+    block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = False,
 ) -> None:
     from .decoding import GenerationConfig, GenerationStats, TextStream
     from .verify import SamplingParams
@@ -70,7 +70,7 @@ def cmd_generate(
     rows = read_prompts(prompt, prompts_file)
     base = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed).validate(),
-        block_size=block_size, stop_strings=tuple(stop),
+        block_size=block_size, stop_strings=tuple(stop), lookup=lookup,
     )
     engine = load_engine(target, draft, device)
     tgt = engine.target
@@ -175,6 +175,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
     """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py)."""
     from .benchdata import load_prompts
     from .checkpoint import check_fits, load_draft
+    from .decoding import GenerationStats
     from .replay import reference_continuations, replay
     from .target import cache_dir, load_target
     from tqdm import tqdm
@@ -205,9 +206,12 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
         lengths = [a for r in per_prompt for a in r.acceptance_lengths]
         report["drafters"][name] = {"block_size": b, "tau": round(sum(taus) / len(taus), 3),
                                     "tau_per_prompt": [round(t, 3) for t in taus],
-                                    "steps": len(lengths), "acceptance_lengths_total": sum(lengths)}
+                                    "steps": len(lengths), "acceptance_lengths_total": sum(lengths),
+                                    "acceptance_histogram": GenerationStats(acceptance_lengths=lengths).histogram(b)}
+        hist = report["drafters"][name]["acceptance_histogram"]
         print(f"{name}: tau {report['drafters'][name]['tau']:.3f} (block {b}, {len(prompts)} prompts of "
-              f"{dataset}, {max_new_tokens} new tokens, {len(lengths)} steps)")
+              f"{dataset}, {max_new_tokens} new tokens, {len(lengths)} steps)\n  steps by tokens committed: "
+              + " ".join(f"{k}:{c}" for k, c in enumerate(hist, 1) if c))
     if as_json:
         Path(as_json).write_text(json.dumps(report, indent=1) + "\n")
 
@@ -297,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--lookup", action="store_true",
+                   help="also verify prompt-lookup proposals (text repeated from the context) where they pay")
     g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 

@@ -18,8 +18,11 @@ from .adaptive import AdaptiveBlockPolicy
 from .checkpoint import check_fits
 from .draft import DraftCache, DraftModel
 from .errors import BlockdraftError
+from .lookup import lookup_proposals
 from .target import Target
 from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampled
+
+LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
+    lookup: bool = False  # also propose prompt-lookup continuations (lookup.py) where they pay
 
 
 @dataclass
@@ -48,6 +52,7 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per decode step
     drafted: int = 0
     accepted: int = 0
+    lookup_steps: int = 0  # steps that verified prompt-lookup proposals instead of the drafter's
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
 
     @property
@@ -154,11 +159,13 @@ def decode_steps(
     prompt_ids: list[int],
     config: GenerationConfig,
     stats: GenerationStats | None = None,
-    policies: dict[int, AdaptiveBlockPolicy] | None = None,
+    policies: dict | None = None,
 ) -> Iterator[Step]:
     """Yield each step's committed tokens. With `draft=None` (or block size 1) this is plain
     autoregressive decoding: the same target forwards, one token per step. `policies`: adaptive
-    block policies by maximum block, kept across requests (the Engine's)."""
+    block policies by maximum block, kept across requests (the Engine's). With `config.lookup`,
+    a step may verify prompt-lookup proposals instead (no draft forward), when its own adaptive
+    policy expects them to pay."""
     validate_request(target, prompt_ids, config)
     stats = stats if stats is not None else GenerationStats()
     params = config.sampling
@@ -171,9 +178,13 @@ def decode_steps(
     # Block choices follow measured timings; with a sampling seed they must not, or the same
     # seed could give different text (the draws would fall differently), so a seed fixes B.
     reproducible = not params.greedy and params.seed is not None
+    policies = policies if policies is not None else {}
     if draft is not None and config.block_size is None and config.adaptive and not reproducible:
-        policies = policies if policies is not None else {}
         policy = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
+    lookup_block = (config.block_size or LOOKUP_BLOCK) if config.lookup else 1
+    # Lookup proposals are free, but verifying them is not: a policy per matched n-gram length
+    # learns whether (and how far) they pay. Without adaptive blocks they are always verified.
+    lookup_adaptive = config.block_size is None and config.adaptive and not reproducible
     taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     stopper = _Stopper(target, config, budget)
@@ -195,12 +206,23 @@ def decode_steps(
 
     t0 = time.perf_counter()
     while stopper.finish_reason is None:
-        # 2. Draft: never propose more than the budget or the context can take.
+        # 2. Propose, never more than the budget or the context can take: prompt-lookup tokens
+        #    where they are expected to pay (no forward at all), else the drafter's block.
         t_step = time.perf_counter()
-        cap = policy.choose() if policy is not None else block_size
-        block = min(cap, budget - len(stopper.generated) + 1, target.max_context - position)
-        drafts = q = None
-        if block > 1:
+        room = min(budget - len(stopper.generated) + 1, target.max_context - position)  # largest block
+        drafts = q = lookup_policy = None
+        looked_up = []
+        found = lookup_proposals(prompt_ids + stopper.generated, min(lookup_block, room) - 1) if config.lookup else None
+        if found:
+            lookup_policy = _lookup_policy(policies, found.ngram, lookup_block) if lookup_adaptive else None
+            looked_up = found.tokens[: lookup_policy.choose() - 1] if lookup_policy else found.tokens
+        if looked_up:
+            drafts = torch.tensor(looked_up, dtype=torch.long, device=target.device)  # q one-hot: None
+            block = 1 + len(looked_up)
+        else:
+            cap = policy.choose() if policy is not None else block_size
+            block = min(cap, room)
+        if block > 1 and not looked_up:
             draft_logits = draft.block_logits(
                 target.embed_tokens, target.lm_head, draft_cache, torch.cat(pending_taps, dim=1), anchor, position,
                 block,
@@ -222,19 +244,32 @@ def decode_steps(
         Target.rollback(cache, position + 1 + accepted)
         if taps:
             new_taps = out.taps[:, : 1 + accepted]
-            # a plain step (block 1) ran no draft, so earlier pending context is still pending
-            pending_taps = [new_taps] if drafts is not None else pending_taps + [new_taps]
+            # a step that ran no draft forward (plain or lookup) left earlier pending context pending
+            ran_draft = drafts is not None and not looked_up
+            pending_taps = [new_taps] if ran_draft else pending_taps + [new_taps]
         position += 1 + accepted
         anchor = next_token
-        if policy is not None:
-            policy.update(block, accepted, time.perf_counter() - t_step)
+        seconds = time.perf_counter() - t_step
+        if policy is not None and not looked_up:
+            policy.update(block, accepted, seconds)
+        if looked_up and lookup_policy is not None:
+            lookup_policy.update(block, accepted, seconds)
+        if block == 1:  # a plain step's cost is c(1) of the lookup policies too
+            for key, other in policies.items():
+                if isinstance(key, tuple) and key[0] == "lookup":
+                    other.update(1, 0, seconds)
         emitted = stopper.clip(committed)
+        stats.lookup_steps += bool(looked_up)
         stats.acceptance_lengths.append(len(emitted))
         stats.drafted += block - 1
         stats.accepted += accepted
         stats.decode_seconds = time.perf_counter() - t0
         yield Step(emitted, block - 1, accepted)
     stats.finish_reason = stopper.finish_reason
+
+
+def _lookup_policy(policies: dict, ngram: int, block: int) -> AdaptiveBlockPolicy:
+    return policies.setdefault(("lookup", ngram, block), AdaptiveBlockPolicy(block))
 
 
 class Engine:
@@ -246,7 +281,7 @@ class Engine:
             draft.to(device=target.device, dtype=target.dtype)
         self.target = target
         self.draft = draft
-        self.policies: dict[int, AdaptiveBlockPolicy] = {}  # what adaptive blocks learned so far
+        self.policies: dict = {}  # what adaptive blocks learned so far, by (proposer and) maximum block
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[Step]:
         return decode_steps(self.target, self.draft, prompt_ids, config, stats, self.policies)

@@ -237,6 +237,19 @@ class DraftModel(nn.Module):
         """The draft logits [block-1, V] of one block (see `block_hidden`)."""
         return lm_head(self.block_hidden(embed, cache, context_taps, anchor, position, block))
 
+    @torch.inference_mode()
+    def matching_prefix(
+        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
+        anchor: int, position: int, block: int, truth: list[int],
+    ) -> int:
+        """How many of the block's greedy proposals equal `truth` in a row (tau by replay). The LM
+        head runs row by row, only as far as they match: most blocks end at the first row."""
+        hidden = self.block_hidden(embed, cache, context_taps, anchor, position, block)
+        n = 0
+        while n < min(len(truth), block - 1) and int(lm_head(hidden[n]).argmax()) == truth[n]:
+            n += 1
+        return n
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .draft import DraftModel
+from .verify import verify_greedy
 
 
 class OracleDraft(DraftModel):
@@ -33,3 +34,9 @@ class OracleDraft(DraftModel):
             right = torch.rand((), generator=self.gen).item() < self.keep
             out[k, truth if right else (truth + 1) % vocab] = 0.0
         return out
+
+    def matching_prefix(self, embed, lm_head, cache, context_taps, anchor, position, block, truth):
+        """Its own proposals, not the LM head's: the whole block, then the greedy verdict."""
+        proposals = self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block).argmax(-1)
+        n = min(len(truth), block - 1)
+        return verify_greedy(proposals[:n], torch.tensor(truth[:n] + [0], device=proposals.device)).num_accepted

@@ -89,26 +89,14 @@ def replay(target: Target, draft: DraftModel, prompt_ids: list[int], reference: 
     cache = DraftCache(len(draft.layers))
     p = len(prompt_ids)
     budget = min(max_new_tokens, target.max_context - p)
-    lazy = type(draft).block_logits is DraftModel.block_logits
     n, lengths = 1, []  # reference[0] came from the prefill; n tokens are committed
     while n < len(reference):
         position = p + n - 1  # the anchor reference[n-1] sits here
         block = min(block_size, budget - n + 1, target.max_context - position)
         accepted = 0
         if block > 1:
-            context = taps[:, cache.length : position]
-            truth = reference[n : n + block - 1]
-            if lazy:  # the LM head row by row, only as far as the block matches (most end at row 1)
-                hidden = draft.block_hidden(target.embed_tokens, cache, context, reference[n - 1], position, block)
-                while accepted < len(truth) and int(target.lm_head(hidden[accepted]).argmax()) == truth[accepted]:
-                    accepted += 1
-            else:  # a drafter with its own proposals (the oracle)
-                logits = draft.block_logits(target.embed_tokens, target.lm_head, cache, context, reference[n - 1],
-                                            position, block)
-                for proposed, t in zip(logits.argmax(-1).tolist(), truth):
-                    if proposed != t:
-                        break
-                    accepted += 1
+            accepted = draft.matching_prefix(target.embed_tokens, target.lm_head, cache, taps[:, cache.length : position],
+                                             reference[n - 1], position, block, reference[n : n + block - 1])
         step = min(accepted + 1, len(reference) - n)  # the EOS or the length limit ends the last step
         lengths.append(step)
         n += step

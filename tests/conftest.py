@@ -23,6 +23,20 @@ def tiny_target(kind: str = "llama", vocab: int = VOCAB, seed: int = 0, layers: 
     return Target(model.float(), tokenizer=None, name=f"tiny-{kind}")
 
 
+def record_draft_contexts(monkeypatch, draft: DraftModel) -> list[tuple[int, int]]:
+    """Spy on the draft forward: per call, (context length the draft cache will hold, position of
+    the anchor). Decoding must give the drafter context up to its anchor, no more, no less."""
+    seen = []
+    real = type(draft).block_logits
+
+    def spy(self, embed, head, cache, taps, anchor, position, block):
+        seen.append((cache.length + taps.shape[1], position))
+        return real(self, embed, head, cache, taps, anchor, position, block)
+
+    monkeypatch.setattr(type(draft), "block_logits", spy)
+    return seen
+
+
 def tiny_draft(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1) -> DraftModel:
     torch.manual_seed(seed)
     cfg = build_draft_config(target.config, num_layers=layers, block_size=block_size,

@@ -63,20 +63,23 @@ def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_pat
     target = tiny_target("llama")
     assistant = tiny_target("llama", seed=5, layers=2)  # same vocabulary, different model
     draft = tiny_draft(target, block_size=4)
-    methods = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle@0.5", "oracle@1")
+    methods = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle@0.5", "oracle@1", "dflash+lookup", "ar+lookup")
     report = bench.run_bench(target, draft, [[1, 2, 3, 1, 2, 3], [4, 5]], methods, max_new_tokens=12,
                              progress=False, assistant=assistant)
     assert report["mismatches"] == []
     assert report["oracle_keep"] == {"oracle@0.5": 0.5, "oracle@1": 1.0}
     assert report["methods"]["oracle@1"]["tau"] > report["methods"]["oracle@0.5"]["tau"]
     assert report["methods"]["hf-pld"]["tau"] is None and report["methods"]["hf-pld"]["tokens"] == 24
+    assert report["methods"]["ar+lookup"]["lookup_steps"] > 0  # the repeated prompt gives lookups
+    assert len(report["methods"]["ar+lookup"]["acceptance_histogram"]) == 11
     bench.plot_report({**report, "dataset": "tiny"}, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_method_lists_are_refused():
     for bad in (("nope",), ("oracle@2",), ("oracle@x",), ("ar", "ar"), (), ("ar:4",), ("hf-pld:8",),
-                ("dflash@0.5",), ("oracle:0",), ("oracle@0.9:x",)):
+                ("dflash@0.5",), ("oracle:0",), ("oracle@0.9:x",),
+                ("hf+lookup",), ("oracle+lookup",)):
         with pytest.raises(BlockdraftError):
             bench.check_methods(bad)
     target = tiny_target("llama")
@@ -89,6 +92,8 @@ def test_method_specs_parse():
     assert bench.parse_method("oracle", 0.7) == bench.MethodSpec("oracle", 0.7, None)
     assert bench.parse_method("dflash:8") == bench.MethodSpec("dflash", None, 8)
     assert bench.parse_method("hf-pld") == bench.MethodSpec("hf-pld")
+    assert bench.parse_method("dflash+lookup:8") == bench.MethodSpec("dflash", None, 8, True)
+    assert bench.parse_method("ar+lookup") == bench.MethodSpec("ar", lookup=True)
 
 
 def test_a_method_block_size_and_given_references():

@@ -5,7 +5,7 @@ import pytest
 from blockdraft.decoding import Engine, GenerationConfig
 from blockdraft.oracle import OracleDraft
 
-from conftest import tiny_draft, tiny_target
+from conftest import record_draft_contexts, tiny_draft, tiny_target
 
 PROMPTS = [[5, 17, 33, 2], [7] * 12, list(range(3, 40))]
 
@@ -74,14 +74,7 @@ def test_plain_steps_inside_speculative_decoding_keep_the_draft_context(monkeypa
     must not lose pending draft context: each draft forward sees context up to its anchor."""
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=6)
-    seen = []
-    real = type(draft).block_logits
-
-    def spy(self, embed, head, cache, taps, anchor, position, block):
-        seen.append((cache.length + taps.shape[1], position))
-        return real(self, embed, head, cache, taps, anchor, position, block)
-
-    monkeypatch.setattr(type(draft), "block_logits", spy)
+    seen = record_draft_contexts(monkeypatch, draft)
     plain = greedy(Engine(target), PROMPTS[0], n=60).token_ids
     got = greedy(Engine(target, draft), PROMPTS[0], n=60)  # adaptive: plain steps and probes
     assert got.token_ids == plain

@@ -104,3 +104,22 @@ def test_replay_equals_engine_on_smollm2_with_the_bundled_drafter():
         tokens, lengths = engine_lengths(target, draft, prompt, 64, 16, tuple(target.stop_token_ids))
         assert tokens == ref
         assert replay(target, draft, prompt, ref, 16, 64).acceptance_lengths == lengths
+
+
+@pytest.mark.slow
+def test_cli_tau_reports_a_consistent_histogram(tmp_path, capsys):
+    from blockdraft.cli import bundled_drafter, main
+
+    if bundled_drafter("smollm2-135m") is None:
+        pytest.skip("no bundled drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Write a Python function that adds two numbers."}\n')
+    out = tmp_path / "tau.json"
+    assert main(["tau", "--dataset", str(prompts), "--max-new-tokens", "40", "--block-size", "8",
+                 "--references", str(tmp_path / "refs.json"), "--json", str(out), "--device", "cpu"]) == 0
+    (d,) = json.loads(out.read_text())["drafters"].values()
+    hist = d["acceptance_histogram"]
+    assert len(hist) == 8 and sum(hist) == d["steps"]
+    assert sum(k * c for k, c in enumerate(hist, 1)) == d["acceptance_lengths_total"] == 39  # the first is the prefill's
+    assert abs(d["tau"] - 39 / d["steps"]) < 1e-3
+    assert "steps by tokens committed" in capsys.readouterr().out
