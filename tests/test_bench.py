@@ -40,8 +40,9 @@ def test_report_schema_and_identical_outputs():
         r = report["methods"][m]
         assert r["tokens"] == 24 and r["tok_s"] > 0 and "speedup_vs_hf" in r and "speedup_vs_ar" in r
         assert len(r["acceptance_histogram"]) == 4
+        assert ("decode_speedup_vs_ar" in r) == (m != "hf")  # transformers gives no decode time
     assert report["methods"]["ar"]["tau"] == 1.0
-    assert "outputs identical" in bench.format_table(report)
+    assert "outputs identical to hf's" in bench.format_table(report)
 
 
 def test_a_planted_difference_is_caught(monkeypatch):
@@ -55,8 +56,13 @@ def test_a_planted_difference_is_caught(monkeypatch):
     monkeypatch.setattr(bench, "_run_engine", corrupt)
     report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], ("dflash", "ar", "hf"), max_new_tokens=8,
                              progress=False)
-    assert report["mismatches"] == [{"method": "dflash", "prompt": 0}]
+    assert report["mismatches"] == [{"method": "dflash", "prompt": 0, "against": "hf"}]
     assert "MISMATCH" in bench.format_table(report)
+    report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], ("dflash", "ar"), max_new_tokens=8,
+                             progress=False)
+    assert report["mismatches"] == [{"method": "dflash", "prompt": 0, "against": "ar"}]
+    report = bench.run_bench(target, tiny_draft(target), [[1, 2, 3]], ("dflash",), max_new_tokens=8, progress=False)
+    assert report["compared_against"] is None and "not compared" in bench.format_table(report)
 
 
 def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_path):
