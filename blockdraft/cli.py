@@ -155,11 +155,9 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     refs = None
     if temperature == 0 and any(parse_method(m).name == "oracle" for m in chosen):
         # the oracle's greedy continuations: batched and cached, shared with `blockdraft tau`
-        from .replay import reference_continuations
-        from .target import cache_dir
+        from .replay import default_references_path, reference_continuations
 
-        refs = reference_continuations(engine.target, prompts, max_new_tokens,
-                                       cache_dir() / "references" / f"{Path(target).name}.json")
+        refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
     report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
                        oracle_keep=oracle_keep, assistant=helper, references=refs)
     report["dataset"] = dataset
@@ -176,8 +174,8 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
     from .benchdata import load_prompts
     from .checkpoint import check_fits, load_draft
     from .decoding import GenerationStats
-    from .replay import reference_continuations, replay
-    from .target import cache_dir, load_target
+    from .replay import default_references_path, reference_continuations, replay
+    from .target import load_target
     from tqdm import tqdm
 
     texts = load_prompts(dataset, limit)
@@ -194,7 +192,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
     for d in drafters:
         check_fits(d.cfg, tgt)
     prompts = [tgt.encode_prompt(t, tgt.has_chat_template) for t in texts]
-    path = references or cache_dir() / "references" / f"{Path(target).name}.json"
+    path = references or default_references_path(target)
     refs = reference_continuations(tgt, prompts, max_new_tokens, path)
     report = {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "reference_tokens": sum(len(r) for r in refs), "drafters": {}}

@@ -185,6 +185,7 @@ def decode_steps(
     # Lookup proposals are free, but verifying them is not: a policy per matched n-gram length
     # learns whether (and how far) they pay. Without adaptive blocks they are always verified.
     lookup_adaptive = config.block_size is None and config.adaptive and not reproducible
+    lookup_policies = policies.setdefault("lookup", {}) if config.lookup else {}  # by (n-gram, max block)
     taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     stopper = _Stopper(target, config, budget)
@@ -214,7 +215,9 @@ def decode_steps(
         looked_up = []
         found = lookup_proposals(prompt_ids + stopper.generated, min(lookup_block, room) - 1) if config.lookup else None
         if found:
-            lookup_policy = _lookup_policy(policies, found.ngram, lookup_block) if lookup_adaptive else None
+            if lookup_adaptive:
+                key = (found.ngram, lookup_block)
+                lookup_policy = lookup_policies.setdefault(key, AdaptiveBlockPolicy(lookup_block))
             looked_up = found.tokens[: lookup_policy.choose() - 1] if lookup_policy else found.tokens
         if looked_up:
             drafts = torch.tensor(looked_up, dtype=torch.long, device=target.device)  # q one-hot: None
@@ -222,12 +225,12 @@ def decode_steps(
         else:
             cap = policy.choose() if policy is not None else block_size
             block = min(cap, room)
-        if block > 1 and not looked_up:
-            draft_logits = draft.block_logits(
-                target.embed_tokens, target.lm_head, draft_cache, torch.cat(pending_taps, dim=1), anchor, position,
-                block,
-            )
-            drafts, q = propose(draft_logits, config, gen)
+            if block > 1:
+                draft_logits = draft.block_logits(
+                    target.embed_tokens, target.lm_head, draft_cache, torch.cat(pending_taps, dim=1), anchor,
+                    position, block,
+                )
+                drafts, q = propose(draft_logits, config, gen)
         # 3. Verify: one target forward over [anchor, drafts].
         block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
         if drafts is not None:
@@ -255,9 +258,8 @@ def decode_steps(
         if looked_up and lookup_policy is not None:
             lookup_policy.update(block, accepted, seconds)
         if block == 1:  # a plain step's cost is c(1) of the lookup policies too
-            for key, other in policies.items():
-                if isinstance(key, tuple) and key[0] == "lookup":
-                    other.update(1, 0, seconds)
+            for other in lookup_policies.values():
+                other.update(1, 0, seconds)
         emitted = stopper.clip(committed)
         stats.lookup_steps += bool(looked_up)
         stats.acceptance_lengths.append(len(emitted))
@@ -266,10 +268,6 @@ def decode_steps(
         stats.decode_seconds = time.perf_counter() - t0
         yield Step(emitted, block - 1, accepted)
     stats.finish_reason = stopper.finish_reason
-
-
-def _lookup_policy(policies: dict, ngram: int, block: int) -> AdaptiveBlockPolicy:
-    return policies.setdefault(("lookup", ngram, block), AdaptiveBlockPolicy(block))
 
 
 class Engine:
@@ -281,7 +279,7 @@ class Engine:
             draft.to(device=target.device, dtype=target.dtype)
         self.target = target
         self.draft = draft
-        self.policies: dict = {}  # what adaptive blocks learned so far, by (proposer and) maximum block
+        self.policies: dict = {}  # what adaptive blocks learned so far: by maximum block, and "lookup"
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[Step]:
         return decode_steps(self.target, self.draft, prompt_ids, config, stats, self.policies)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .draft import DraftCache, DraftModel
-from .target import Target
+from .target import Target, cache_dir
 
 
 @dataclass
@@ -32,6 +32,11 @@ class ReplayResult:
     def tau(self) -> float:
         n = len(self.acceptance_lengths)
         return sum(self.acceptance_lengths) / n if n else 1.0
+
+
+def default_references_path(target: str) -> Path:
+    """Where greedy references are cached for a target (shared by `blockdraft tau` and `bench`)."""
+    return cache_dir() / "references" / f"{Path(target).name}.json"
 
 
 def _key(prompt_ids: list[int], max_new_tokens: int) -> str:
