@@ -64,13 +64,22 @@ class AdaptiveBlockPolicy:
             return None
         return lo + (hi - lo) * (block - 1) / max(1, self.max_block - 1)
 
+    def rate(self, block: int) -> float | None:
+        """Expected tokens per second of a step with this block; None until its cost is known."""
+        cost = self.step_cost(block)
+        return self.expected_tokens(block) / cost if cost else None
+
+    def best_rate(self) -> float | None:
+        rates = [self.rate(b) for b in range(1, self.max_block + 1)]
+        return None if None in rates else max(rates)
+
     def choose(self) -> int:
         # Measure both ends of the cost curve first: the full block, then a plain step.
         if self.max_block not in self.cost:
             return self.max_block
         if 1 not in self.cost:
             return 1
-        best = max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.step_cost(b))
+        best = max(range(1, self.max_block + 1), key=self.rate)
         if best == 1:
             self.steps_since_probe += 1
             extra = max(0.0, self.cost[self.max_block] - self.cost[1])

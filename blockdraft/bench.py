@@ -1,8 +1,9 @@
 """`blockdraft bench`: methods side by side in one process, on the same prompts, interleaved
 prompt by prompt after a warm-up, with an identical-output check at temperature 0.
 
-Methods: `dflash` (our engine with the drafter), `ar` (our engine, no drafter), `dflash+lookup` /
-`ar+lookup` (our engine with prompt-lookup proposals as well, see lookup.py), `hf` (transformers
+Methods: `dflash` (our engine as it ships: the drafter, and prompt-lookup proposals where they pay,
+see lookup.py), `dflash-lookup` (the drafter alone), `ar` (our engine, no drafter: plain decoding),
+`ar+lookup` (plain decoding plus prompt lookup), `hf` (transformers
 `generate`, as a user would call it), `hf-pld` (transformers prompt-lookup decoding),
 `hf-assisted` (transformers assisted generation with a given assistant model), and `oracle`: the
 drafter's real forward, but proposing the target's own greedy continuation, each token kept with
@@ -41,20 +42,24 @@ class MethodSpec:
     name: str  # one of METHODS
     keep: float | None = None  # oracle only: probability each proposal is kept
     block_size: int | None = None  # dflash / oracle only: a fixed block for this method
-    lookup: bool = False  # dflash / ar only (`dflash+lookup`): prompt-lookup proposals too
+    lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
 
 
 def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
-    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash+lookup` -> MethodSpec("dflash",
-    lookup=True); a BlockdraftError for anything unknown."""
+    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash` -> MethodSpec("dflash",
+    lookup=True) (the engine's default), `dflash-lookup` -> the drafter alone, `ar+lookup` -> plain
+    decoding plus prompt lookup; a BlockdraftError for anything unknown."""
     head, block = method, None
     if ":" in method:
         head, tail = method.split(":", 1)
         if not tail.isdigit() or int(tail) < 1:
             raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
         block = int(tail)
-    lookup = head.endswith("+lookup")
-    head = head.removesuffix("+lookup")
+    lookup = None  # the method's default: on for dflash (as the engine ships), off for the rest
+    for suffix, value in (("+lookup", True), ("-lookup", False)):
+        if head.endswith(suffix):
+            head, lookup = head.removesuffix(suffix), value
+            break
     name, keep = head, None
     if "@" in head:
         name, k = head.split("@", 1)
@@ -70,11 +75,11 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
     if block is not None and name not in ("dflash", "oracle"):
         raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
-    if lookup and name not in ("dflash", "ar"):
-        raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup'")
+    if lookup is not None and name not in ("dflash", "ar"):
+        raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
     if name == "oracle" and keep is None:
         keep = default_keep
-    return MethodSpec(name, keep, block, lookup)
+    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup)
 
 
 def check_methods(methods) -> tuple[str, ...]:
@@ -183,6 +188,16 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
 
 
+def median_costs(samples: list[dict]) -> dict:
+    """The per-prompt cost measurements combined: the median of each forward's time."""
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    return {"t_target": {b: median([s["t_target"][b] for s in samples]) for b in samples[0]["t_target"]},
+            "t_draft": median([s["t_draft"] for s in samples]), "block_size": samples[0]["block_size"],
+            "samples": len(samples)}
+
+
 def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> float:
     """tau * t(1) / (t_verify(B) + t_draft): the speedup over plain decoding if nothing but the
     two forwards cost time (B: the measured block unless given; the draft cost is the measured one)."""
@@ -193,8 +208,9 @@ def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> f
 def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
-              references: list[list[int]] | None = None) -> dict:
-    """`references`: each prompt's greedy continuation for the oracle (computed here when None)."""
+              references: list[list[int]] | None = None, cost_repeats: int = 3) -> dict:
+    """`references`: each prompt's greedy continuation for the oracle (computed here when None).
+    `cost_repeats`: timings of each forward per prompt for the cost model."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -202,7 +218,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
     specs = {m: parse_method(m, oracle_keep) for m in methods}
     oracles = [m for m in methods if specs[m].name == "oracle"]
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, lookup=False,
                            sampling=SamplingParams(temperature=temperature, seed=0))
     cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
@@ -237,19 +253,27 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
         for m in methods:
             run(m, ids, MethodResult())
+    b = block_size or (draft.block_size if draft is not None else 1)
+    blocks = {m: specs[m].block_size or block_size or (max(b, LOOKUP_BLOCK) if specs[m].lookup else b)
+              for m in methods}  # the largest block each method may run
+    # the cost model bounds a drafter's block steps; lookup steps run no draft forward
+    ceilings = [m for m in methods if specs[m].name in ("dflash", "oracle") and not specs[m].lookup]
     results = {m: MethodResult() for m in methods}
+    samples = []  # cost-model measurements, one per prompt, taken between its methods' runs
     for i, ids in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
         order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first
         for m in order:
-            results[m].outputs.append(run(m, ids, results[m]))
-    b = block_size or (draft.block_size if draft is not None else 1)
-    blocks = {m: specs[m].block_size or (max(b, LOOKUP_BLOCK) if specs[m].lookup else b) for m in methods}
+            out = run(m, ids, results[m])
+            results[m].outputs.append(out)
+        if ceilings:  # measured under the run's own conditions (a one-off measurement drifts with
+            # the machine's state), at a context halfway through this prompt's generation
+            samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()), cost_repeats))
     report = {m: r.summary(blocks[m]) for m, r in results.items()}
-    costs = measure_costs(target, draft, prompts[0], max(blocks.values()))
+    costs = median_costs(samples) if ceilings else None
     for m in methods:
         if specs[m].name in ("dflash", "oracle") or specs[m].lookup:
             report[m]["block_size"] = cfgs[m].block_size or "adaptive"
-        if specs[m].name in ("dflash", "oracle") and not specs[m].lookup and report[m]["tau"]:
+        if m in ceilings and report[m]["tau"]:
             # the cost model is per decode step: tokens per step over all steps (not per request)
             lengths = results[m].acceptance_lengths
             tokens_per_step = sum(lengths) / len(lengths)
@@ -274,7 +298,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     return {"methods": report, "mismatches": mismatches, "compared_against": reference if temperature == 0 else None,
             "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
-            "cost_model_seconds": {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"]},
+            "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
+                                            "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 

@@ -62,7 +62,7 @@ def load_engine(target: str, draft: str | None, device: str | None = None):
 def cmd_generate(
     target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-    block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = False,
+    block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = True,
 ) -> None:
     from .decoding import GenerationConfig, GenerationStats, TextStream
     from .verify import SamplingParams
@@ -215,7 +215,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
 
 
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
-              max_queue: int, default_max_tokens: int, device: str | None) -> None:
+              max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True) -> None:
     import os
 
     try:
@@ -230,20 +230,20 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
         raise BlockdraftError("--max-queue and --default-max-tokens must be positive")
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device)
-    app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens)
+    app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup)
     print(f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
           f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int | None, system: str | None, device: str | None) -> None:
+             seed: int | None, system: str | None, device: str | None, lookup: bool = True) -> None:
     from .chat import chat_loop
     from .decoding import GenerationConfig
     from .verify import SamplingParams
 
     config = GenerationConfig(max_new_tokens=max_new_tokens,
-                              sampling=SamplingParams(temperature, 0, top_p, seed).validate())
+                              sampling=SamplingParams(temperature, 0, top_p, seed).validate(), lookup=lookup)
     if not 1 <= max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
     engine = load_engine(target, draft, device)
@@ -257,6 +257,12 @@ def cmd_train(resume: bool, **kwargs) -> None:
 
     path = train(TrainConfig(**kwargs), resume=resume)
     print(f"drafter written to {path}")
+
+
+def _add_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="also verify prompt-lookup proposals (text repeated from the context) where they pay "
+                        "(default: on; --no-lookup: the drafter alone)")
 
 
 def _add_train_args(t: argparse.ArgumentParser) -> None:
@@ -299,8 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--lookup", action="store_true",
-                   help="also verify prompt-lookup proposals (text repeated from the context) where they pay")
+    _add_lookup_arg(g)
     g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 
@@ -363,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--system", default=None, help="a system message to start every conversation")
+    _add_lookup_arg(c)
     c.add_argument("--device", default=None)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
@@ -374,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id clients ask for (default: --target)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond it: 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
+    _add_lookup_arg(s)
     s.add_argument("--device", default=None)
 
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")

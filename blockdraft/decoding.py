@@ -34,7 +34,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
-    lookup: bool = False  # also propose prompt-lookup continuations (lookup.py) where they pay
+    lookup: bool = True  # also propose prompt-lookup continuations (lookup.py) where they pay
 
 
 @dataclass
@@ -219,6 +219,12 @@ def decode_steps(
                 key = (found.ngram, lookup_block)
                 lookup_policy = lookup_policies.setdefault(key, AdaptiveBlockPolicy(lookup_block))
             looked_up = found.tokens[: lookup_policy.choose() - 1] if lookup_policy else found.tokens
+            if looked_up and lookup_policy is not None and policy is not None:
+                # the alternative is the drafter's block, not a plain step: verify the lookup only
+                # if it is expected to yield as many tokens per second (while either is unmeasured, try it)
+                mine, theirs = lookup_policy.rate(1 + len(looked_up)), policy.best_rate()
+                if mine is not None and theirs is not None and mine < theirs:
+                    looked_up = []
         if looked_up:
             drafts = torch.tensor(looked_up, dtype=torch.long, device=target.device)  # q one-hot: None
             block = 1 + len(looked_up)

@@ -100,7 +100,8 @@ def parse_prompt(body: dict, target) -> list[int]:
     raise ApiError(400, "'prompt' is required: a string, a list of one string, or a list of token ids", "prompt")
 
 
-def parse_request(body, engine: Engine, model_name: str, chat: bool, default_max_tokens: int) -> ParsedRequest:
+def parse_request(body, engine: Engine, model_name: str, chat: bool, default_max_tokens: int,
+                  lookup: bool = True) -> ParsedRequest:
     """Every check a request gets before it may queue; raises ApiError with the 4xx to answer."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -145,7 +146,7 @@ def parse_request(body, engine: Engine, model_name: str, chat: bool, default_max
                             f"and {max_tokens} more were asked for", "messages" if chat else "prompt",
                        "context_length_exceeded")
     config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature, 0, top_p, seed),
-                              stop_strings=tuple(stop))
+                              stop_strings=tuple(stop), lookup=lookup)
     try:
         validate_request(target, ids, config)
     except BlockdraftError as err:
@@ -159,7 +160,7 @@ def _usage(c: Completion) -> dict:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
-               default_max_tokens: int = 256) -> FastAPI:
+               default_max_tokens: int = 256, lookup: bool = True) -> FastAPI:
     scheduler = Scheduler(engine, max_queue)
     metrics = Metrics()
     created = int(time.time())
@@ -220,7 +221,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not valid JSON ({err})") from err
-        req = parse_request(body, engine, model_name, chat, default_max_tokens)
+        req = parse_request(body, engine, model_name, chat, default_max_tokens, lookup)
         job = Job(req.prompt_ids, req.config, asyncio.get_running_loop())
         if not scheduler.submit(job):
             raise ApiError(429, f"the server is at capacity ({max_queue} requests waiting); retry later",

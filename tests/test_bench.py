@@ -69,7 +69,7 @@ def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_pat
     target = tiny_target("llama")
     assistant = tiny_target("llama", seed=5, layers=2)  # same vocabulary, different model
     draft = tiny_draft(target, block_size=4)
-    methods = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle@0.5", "oracle@1", "dflash+lookup", "ar+lookup")
+    methods = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle@0.5", "oracle@1", "dflash-lookup", "ar+lookup")
     report = bench.run_bench(target, draft, [[1, 2, 3, 1, 2, 3], [4, 5]], methods, max_new_tokens=12,
                              progress=False, assistant=assistant)
     assert report["mismatches"] == []
@@ -85,7 +85,7 @@ def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_pat
 def test_bad_method_lists_are_refused():
     for bad in (("nope",), ("oracle@2",), ("oracle@x",), ("ar", "ar"), (), ("ar:4",), ("hf-pld:8",),
                 ("dflash@0.5",), ("oracle:0",), ("oracle@0.9:x",),
-                ("hf+lookup",), ("oracle+lookup",)):
+                ("hf+lookup",), ("oracle+lookup",), ("oracle-lookup",), ("ar-lookup+lookup",)):
         with pytest.raises(BlockdraftError):
             bench.check_methods(bad)
     target = tiny_target("llama")
@@ -96,9 +96,11 @@ def test_bad_method_lists_are_refused():
 def test_method_specs_parse():
     assert bench.parse_method("oracle@0.9:16") == bench.MethodSpec("oracle", 0.9, 16)
     assert bench.parse_method("oracle", 0.7) == bench.MethodSpec("oracle", 0.7, None)
-    assert bench.parse_method("dflash:8") == bench.MethodSpec("dflash", None, 8)
+    assert bench.parse_method("dflash:8") == bench.MethodSpec("dflash", None, 8, lookup=True)  # as it ships
+    assert bench.parse_method("dflash-lookup:8") == bench.MethodSpec("dflash", None, 8, lookup=False)
+    assert bench.parse_method("dflash+lookup") == bench.parse_method("dflash")
     assert bench.parse_method("hf-pld") == bench.MethodSpec("hf-pld")
-    assert bench.parse_method("dflash+lookup:8") == bench.MethodSpec("dflash", None, 8, True)
+    assert bench.parse_method("ar") == bench.MethodSpec("ar", lookup=False)  # plain decoding
     assert bench.parse_method("ar+lookup") == bench.MethodSpec("ar", lookup=True)
 
 

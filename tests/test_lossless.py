@@ -11,7 +11,8 @@ PROMPTS = [[5, 17, 33, 2], [7] * 12, list(range(3, 40))]
 
 
 def greedy(engine, prompt, n=48, block_size=None, adaptive=True):
-    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=(), adaptive=adaptive)
+    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=(), adaptive=adaptive,
+                           lookup=False)  # the drafter alone (test_lookup.py covers lookup on top)
     return engine.generate(prompt, cfg)
 
 

@@ -15,7 +15,7 @@ PROMPTS = [[5, 17, 33, 2], [7] * 12, list(range(3, 40))]
 
 
 def engine_lengths(target, draft, prompt, n, block_size, stop=()):
-    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=stop)
+    cfg = GenerationConfig(max_new_tokens=n, block_size=block_size, stop_token_ids=stop, lookup=False)  # replay models the drafter
     out = Engine(target, draft).generate(prompt, cfg)
     return out.token_ids, out.stats.acceptance_lengths
 
