@@ -21,7 +21,7 @@ setup: $(STAMP)
 # then the same prompt with plain decoding for comparison (same output, see the stats lines).
 demo: setup
 	$(VENV)/bin/blockdraft generate --prompt "$(PROMPT)" --max-new-tokens 128
-	$(VENV)/bin/blockdraft generate --prompt "$(PROMPT)" --max-new-tokens 128 --draft none
+	$(VENV)/bin/blockdraft generate --prompt "$(PROMPT)" --max-new-tokens 128 --draft none --no-lookup  # plain decoding, to compare
 
 test: setup
 	$(PY) -m pytest -q

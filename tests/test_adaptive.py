@@ -82,8 +82,17 @@ def test_adaptive_decoding_is_lossless(keep):
     oracle = OracleDraft(tiny_draft(target, block_size=8), truth, len(prompt), keep, seed=5)
     got = Engine(target, oracle).generate(prompt, GenerationConfig(max_new_tokens=80, stop_token_ids=()))
     assert got.token_ids == truth
-    if keep == 1.0:
+    if keep == 1.0:  # (prompt lookup is on: it must not displace a drafter that does better)
         assert got.stats.tau > 3
+
+
+def test_policy_rates():
+    p = AdaptiveBlockPolicy(4)
+    assert p.rate(2) is None and p.best_rate() is None  # no cost measured yet
+    p.update(4, 3, 0.2)
+    p.update(1, 0, 0.1)
+    assert p.rate(1) == pytest.approx(10.0)
+    assert p.best_rate() == max(p.rate(b) for b in range(1, 5)) > 10.0
 
 
 def test_the_engine_keeps_what_the_policy_learned_across_requests():

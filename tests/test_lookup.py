@@ -84,3 +84,16 @@ def test_lookup_sampling_matches_exact_two_token_distribution(with_draft):
         lookups += res.stats.lookup_steps
     assert lookups > 2500  # (a seed fixes the block: proposals whenever the lookup finds one)
     assert total_variation(counts.flatten(), exact.flatten()) < 0.07
+
+
+def test_lookup_is_on_by_default_and_every_command_can_turn_it_off():
+    import inspect
+
+    from blockdraft import cli
+
+    assert GenerationConfig().lookup
+    for argv, fn in ((["generate", "--prompt", "x"], cli.cmd_generate), (["serve"], cli.cmd_serve),
+                     (["chat"], cli.cmd_chat)):
+        assert vars(cli.build_parser().parse_args(argv))["lookup"] is True
+        assert vars(cli.build_parser().parse_args(argv + ["--no-lookup"]))["lookup"] is False
+        assert "lookup" in inspect.signature(fn).parameters  # main() passes it through
