@@ -163,7 +163,7 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return _median(times)
 
     cache = target.new_cache()
     taps = draft.cfg.target_layer_ids if draft is not None else None
@@ -188,13 +188,14 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def median_costs(samples: list[dict]) -> dict:
     """The per-prompt cost measurements combined: the median of each forward's time."""
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
-
-    return {"t_target": {b: median([s["t_target"][b] for s in samples]) for b in samples[0]["t_target"]},
-            "t_draft": median([s["t_draft"] for s in samples]), "block_size": samples[0]["block_size"],
+    return {"t_target": {b: _median([s["t_target"][b] for s in samples]) for b in samples[0]["t_target"]},
+            "t_draft": _median([s["t_draft"] for s in samples]), "block_size": samples[0]["block_size"],
             "samples": len(samples)}
 
 
