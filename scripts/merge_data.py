@@ -1,6 +1,6 @@
 """Merge `blockdraft data` directories into one that `blockdraft train --labels target` reads.
 
-    python scripts/merge_data.py OUT SRC [SRC ...]
+    python scripts/merge_data.py OUT SRC [SRC ...] [--cache-from EARLIER_MERGE ...]
 
 - Every sample gets `target_next` (the label for `--labels target`): data made with
   `--responses dataset` stores the target's predictions; in data made with `--responses target`
@@ -11,6 +11,8 @@
 - Train features already cached in a source (`blockdraft train` builds them) are copied, not
   recomputed: the merged cache starts complete up to the first sample that has none, and
   `blockdraft train` computes the rest (resumable, as always).
+- `--cache-from DIR` also copies features from an earlier merge of the same sources (its ids are
+  the same "<source dir name>/<id>"), so growing one source does not recompute the others.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ import numpy as np
 from blockdraft.data import load_samples
 
 
-def _cached_rows(sources: list[str], tag: str) -> dict:
+def _cached_rows(sources: list[str], tag: str, earlier: list[str] = ()) -> dict:
     """(source, merged id) -> (cache dir, row index) for train samples whose features are cached."""
     out = {}
+    by_name = {Path(s).name: s for s in sources}
+    for merged in earlier:  # an earlier merge's cache: its ids already name their source
+        cdir = Path(merged) / tag
+        if (cdir / "progress.json").exists():
+            ids = json.loads((cdir / "index.json").read_text())["ids"]
+            done = json.loads((cdir / "progress.json").read_text())["done"]
+            for j, mid in enumerate(ids[:done]):
+                if mid.split("/")[0] in by_name:
+                    out[(by_name[mid.split("/")[0]], mid)] = (cdir, j)
     for src in sources:
         cdir = Path(src) / tag
         if not (cdir / "progress.json").exists():
@@ -66,7 +77,7 @@ def _copy_features(dest: Path, train: list[dict], where: dict) -> int:
     return n
 
 
-def main(out: str, sources: list[str]) -> None:
+def main(out: str, sources: list[str], earlier: list[str] = ()) -> None:
     out_dir = Path(out)
     if (out_dir / "samples.jsonl").exists():
         sys.exit(f"{out_dir} already holds data; use a new directory")
@@ -88,7 +99,7 @@ def main(out: str, sources: list[str]) -> None:
                 heldout.append(r)
     # one feature cache per tap set the first source has; samples with cached features go first
     tags = sorted(p.name for p in Path(sources[0]).glob("features-train-taps-*"))
-    where = {tag: _cached_rows(sources, tag) for tag in tags}
+    where = {tag: _cached_rows(sources, tag, earlier) for tag in tags}
     if tags:
         first = where[tags[0]]
         train.sort(key=lambda r: (r["source"], r["id"]) not in first)
@@ -106,6 +117,9 @@ def main(out: str, sources: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    earlier = [args[i + 1] for i, a in enumerate(args) if a == "--cache-from" and i + 1 < len(args)]
+    args = [a for i, a in enumerate(args) if a != "--cache-from" and (i == 0 or args[i - 1] != "--cache-from")]
+    if len(args) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2:])
+    main(args[0], args[1:], earlier)

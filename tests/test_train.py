@@ -265,3 +265,13 @@ def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp
     assert torch.equal(feats.get(0), src.get(0)) and torch.equal(feats.get(10), src.get(10))
     alone = target.forward(torch.tensor([train[12]["input_ids"]]), target.new_cache(), taps, logits_at=1).taps[0]
     torch.testing.assert_close(feats.get(12), alone.half().float())
+    # a second merge of the same sources reuses the first merge's cache (--cache-from): all rows copied
+    sys.argv = ["merge_data.py", str(tmp_path / "mix2"), str(regen), str(orig), "--cache-from", str(tmp_path / "mix")]
+    try:
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "scripts", "merge_data.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    again = CachedFeatures(feature_dir(tmp_path / "mix2", "train", taps))
+    assert json.loads((feature_dir(tmp_path / "mix2", "train", taps) / "progress.json").read_text())["done"] == 15
+    assert [r["id"] for r in load_samples(tmp_path / "mix2", "train")] == [r["id"] for r in train]
+    assert all(torch.equal(again.get(i), feats.get(i)) for i in range(15))
