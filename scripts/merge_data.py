@@ -26,25 +26,26 @@ import numpy as np
 from blockdraft.data import load_samples
 
 
+def _completed_ids(cdir: Path) -> list[str]:
+    """Ids of the samples whose features a cache directory holds complete (none if no cache)."""
+    if not (cdir / "progress.json").exists():
+        return []
+    ids = json.loads((cdir / "index.json").read_text())["ids"]
+    return ids[: json.loads((cdir / "progress.json").read_text())["done"]]
+
+
 def _cached_rows(sources: list[str], tag: str, earlier: list[str] = ()) -> dict:
     """(source, merged id) -> (cache dir, row index) for train samples whose features are cached."""
     out = {}
     by_name = {Path(s).name: s for s in sources}
     for merged in earlier:  # an earlier merge's cache: its ids already name their source
         cdir = Path(merged) / tag
-        if (cdir / "progress.json").exists():
-            ids = json.loads((cdir / "index.json").read_text())["ids"]
-            done = json.loads((cdir / "progress.json").read_text())["done"]
-            for j, mid in enumerate(ids[:done]):
-                if mid.split("/")[0] in by_name:
-                    out[(by_name[mid.split("/")[0]], mid)] = (cdir, j)
+        for j, mid in enumerate(_completed_ids(cdir)):
+            if mid.split("/")[0] in by_name:
+                out[(by_name[mid.split("/")[0]], mid)] = (cdir, j)
     for src in sources:
         cdir = Path(src) / tag
-        if not (cdir / "progress.json").exists():
-            continue
-        ids = json.loads((cdir / "index.json").read_text())["ids"]
-        done = json.loads((cdir / "progress.json").read_text())["done"]
-        for j, sid in enumerate(ids[:done]):
+        for j, sid in enumerate(_completed_ids(cdir)):
             out[(src, f"{Path(src).name}/{sid}")] = (cdir, j)
     return out
 
@@ -117,9 +118,11 @@ def main(out: str, sources: list[str], earlier: list[str] = ()) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    earlier = [args[i + 1] for i, a in enumerate(args) if a == "--cache-from" and i + 1 < len(args)]
-    args = [a for i, a in enumerate(args) if a != "--cache-from" and (i == 0 or args[i - 1] != "--cache-from")]
-    if len(args) < 2:
-        sys.exit(__doc__)
-    main(args[0], args[1:], earlier)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("sources", nargs="+")
+    ap.add_argument("--cache-from", action="append", default=[], metavar="EARLIER_MERGE")
+    a = ap.parse_args()
+    main(a.out, a.sources, a.cache_from)
