@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -160,12 +160,14 @@ def decode_steps(
     config: GenerationConfig,
     stats: GenerationStats | None = None,
     policies: dict | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Step]:
     """Yield each step's committed tokens. With `draft=None` (or block size 1) this is plain
     autoregressive decoding: the same target forwards, one token per step. `policies`: adaptive
     block policies by maximum block, kept across requests (the Engine's). With `config.lookup`,
     a step may verify prompt-lookup proposals instead (no draft forward), when its own adaptive
-    policy expects them to pay."""
+    policy expects them to pay. `clock`: seconds, for the stats and the policies' step costs
+    (tests pass a simulated one so that the policies' choices do not depend on timing noise)."""
     validate_request(target, prompt_ids, config)
     stats = stats if stats is not None else GenerationStats()
     params = config.sampling
@@ -192,7 +194,7 @@ def decode_steps(
 
     # 1. Prefill: the first token comes from the prompt's last logits; the prompt's taps are
     #    the draft's first context.
-    t0 = time.perf_counter()
+    t0 = clock()
     cache = target.new_cache()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     out = target.forward(prompt, cache, taps, logits_at=1)
@@ -202,14 +204,14 @@ def decode_steps(
     position = len(prompt_ids)  # absolute position of the anchor (committed, not yet in cache)
     stats.prompt_tokens = len(prompt_ids)
     first = stopper.clip([anchor])
-    stats.prefill_seconds = time.perf_counter() - t0
+    stats.prefill_seconds = clock() - t0
     yield Step(first, 0, 0)
 
-    t0 = time.perf_counter()
+    t0 = clock()
     while stopper.finish_reason is None:
         # 2. Propose, never more than the budget or the context can take: prompt-lookup tokens
         #    where they are expected to pay (no forward at all), else the drafter's block.
-        t_step = time.perf_counter()
+        t_step = clock()
         room = min(budget - len(stopper.generated) + 1, target.max_context - position)  # largest block
         drafts = q = lookup_policy = None
         looked_up = []
@@ -258,7 +260,7 @@ def decode_steps(
             pending_taps = [new_taps] if ran_draft else pending_taps + [new_taps]
         position += 1 + accepted
         anchor = next_token
-        seconds = time.perf_counter() - t_step
+        seconds = clock() - t_step
         if policy is not None and not looked_up:
             policy.update(block, accepted, seconds)
         if looked_up and lookup_policy is not None:
@@ -271,7 +273,7 @@ def decode_steps(
         stats.acceptance_lengths.append(len(emitted))
         stats.drafted += block - 1
         stats.accepted += accepted
-        stats.decode_seconds = time.perf_counter() - t0
+        stats.decode_seconds = clock() - t0
         yield Step(emitted, block - 1, accepted)
     stats.finish_reason = stopper.finish_reason
 
@@ -279,16 +281,19 @@ def decode_steps(
 class Engine:
     """A target and an optional drafter, checked against each other once."""
 
-    def __init__(self, target: Target, draft: DraftModel | None = None):
+    def __init__(
+        self, target: Target, draft: DraftModel | None = None, clock: Callable[[], float] = time.perf_counter
+    ):
         if draft is not None:
             check_fits(draft.cfg, target)
             draft.to(device=target.device, dtype=target.dtype)
         self.target = target
         self.draft = draft
         self.policies: dict = {}  # what adaptive blocks learned so far: by maximum block, and "lookup"
+        self.clock = clock  # what step costs are measured with
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[Step]:
-        return decode_steps(self.target, self.draft, prompt_ids, config, stats, self.policies)
+        return decode_steps(self.target, self.draft, prompt_ids, config, stats, self.policies, self.clock)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig | None = None) -> GenerationResult:
         config = config or GenerationConfig()

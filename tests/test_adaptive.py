@@ -95,9 +95,32 @@ def test_policy_rates():
     assert p.best_rate() == max(p.rate(b) for b in range(1, 5)) > 10.0
 
 
+class SimulatedClock:
+    """Seconds that advance only by the modelled cost of each forward (`cpu_like` per target
+    token block, 0.6 per draft block), so that the policy sees the same costs on every run."""
+
+    def __init__(self, target, draft):
+        self.now = 0.0
+        forward, block_logits = target.forward, draft.block_logits
+
+        def timed_forward(ids, *args, **kwargs):
+            self.now += cpu_like(ids.shape[1]) - (0.6 if ids.shape[1] > 1 else 0.0)
+            return forward(ids, *args, **kwargs)
+
+        def timed_block_logits(*args, **kwargs):
+            self.now += 0.6
+            return block_logits(*args, **kwargs)
+
+        target.forward, draft.block_logits = timed_forward, timed_block_logits
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_engine_keeps_what_the_policy_learned_across_requests():
     target = tiny_target("llama")
-    engine = Engine(target, tiny_draft(target, block_size=8))  # random drafter: accepts ~nothing
+    draft = tiny_draft(target, block_size=8)  # random drafter: accepts ~nothing
+    engine = Engine(target, draft, clock=SimulatedClock(target, draft))
     cfg = GenerationConfig(max_new_tokens=40, lookup=False)  # the drafter's policy alone
     first = engine.generate([1, 2, 3], cfg)
     second = engine.generate([4, 5, 6], cfg)
