@@ -20,8 +20,15 @@ def simulate(accept_run: int, block_cost, steps=60, max_block=16):
     return chosen[-20:]
 
 
-def cpu_like(b):  # verifying 16 tokens costs ~2.2x a one-token step, plus the draft's forward
-    return 1.0 if b == 1 else 1.0 + 1.2 * (b - 1) / 15 + 0.6
+DRAFT_COST = 0.6  # one draft forward, in one-token target steps
+
+
+def verify_cost(b):  # a target forward over b tokens: verifying 16 costs ~2.2x a one-token step
+    return 1.0 + 1.2 * (b - 1) / 15
+
+
+def cpu_like(b):  # a step with block b: the target's forward, plus the draft's when b > 1
+    return verify_cost(b) + (DRAFT_COST if b > 1 else 0.0)
 
 
 def test_poor_acceptance_chooses_plain_decoding():
@@ -96,19 +103,19 @@ def test_policy_rates():
 
 
 class SimulatedClock:
-    """Seconds that advance only by the modelled cost of each forward (`cpu_like` per target
-    token block, 0.6 per draft block), so that the policy sees the same costs on every run."""
+    """Seconds that advance only by the modelled cost of each forward (`verify_cost` per target
+    forward, `DRAFT_COST` per draft block), so that the policy sees the same costs on every run."""
 
     def __init__(self, target, draft):
         self.now = 0.0
         forward, block_logits = target.forward, draft.block_logits
 
         def timed_forward(ids, *args, **kwargs):
-            self.now += cpu_like(ids.shape[1]) - (0.6 if ids.shape[1] > 1 else 0.0)
+            self.now += verify_cost(ids.shape[1])
             return forward(ids, *args, **kwargs)
 
         def timed_block_logits(*args, **kwargs):
-            self.now += 0.6
+            self.now += DRAFT_COST
             return block_logits(*args, **kwargs)
 
         target.forward, draft.block_logits = timed_forward, timed_block_logits
