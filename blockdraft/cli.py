@@ -133,11 +133,11 @@ def cmd_init(target: str, out: str, num_layers: int, block_size: int, target_lay
 
 
 def cmd_data(out: str, source: str, target: str, responses: str, limit: int, batch_size: int,
-             max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float) -> None:
+             max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float, features: bool) -> None:
     from .data import generate_data
 
     generate_data(out, source, target, responses, limit, batch_size, max_prompt_tokens, max_new_tokens,
-                  heldout_percent)
+                  heldout_percent, features=features)
 
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--max-new-tokens", type=int, default=192)
     d.add_argument("--heldout-percent", type=float, default=2.0)
+    d.add_argument("--features", action="store_true",
+                   help="also cache the train samples' target features for `train` (about 5.8 KB per token for "
+                        "SmolLM2); nearly free with --responses dataset, which runs that prefill anyway")
 
     b = sub.add_parser("bench", help="tokens/s and tau of methods side by side, same prompts, same process")
     b.add_argument("--target", default="smollm2-135m")

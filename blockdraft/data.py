@@ -8,7 +8,10 @@ Output directory:
   manifest.json   the settings; a resumed run must use the same ones
   samples.jsonl   one line per sample, appended as batches finish:
                   {"id", "split", "input_ids", "loss_mask"} (loss_mask 1 on response tokens)
-An interrupted run resumes: an incomplete last line is dropped, finished ids are skipped.
+  features-train-taps-*/   with `--features`: the train samples' target features, the cache
+                  `blockdraft train` would otherwise build first (see features.py)
+An interrupted run resumes: an incomplete last line is dropped, finished ids are skipped, and the
+feature cache is brought level with the samples before new ones are written.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
+from .draft import default_target_layer_ids
 from .errors import BlockdraftError
+from .features import append_features, build_feature_cache
 
 
 @dataclass
@@ -131,6 +138,7 @@ def generate_data(
     max_new_tokens: int = 192,
     heldout_percent: float = 2.0,
     progress: bool = True,
+    features: bool = False,
 ) -> Path:
     from tqdm import tqdm
 
@@ -154,6 +162,11 @@ def generate_data(
 
     target = load_target(target_name)
     tok = target.tokenizer
+    # The taps `blockdraft train` uses by default; written from the prefill that `--responses
+    # dataset` runs anyway for the target's predictions, so the features cost almost nothing more.
+    tap_ids = default_target_layer_ids(target.num_layers) if features else None
+    if tap_ids and samples.exists():  # level with the samples first (a kill may have come between)
+        build_feature_cache(out, "train", load_samples(out, "train"), target, tap_ids, progress)
     prompts = iter_sharegpt() if source == "sharegpt" else iter_jsonl(source)
     stop_ids = target.stop_token_ids
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
@@ -178,36 +191,47 @@ def generate_data(
         for item in todo():
             batch.append(item)
             if len(batch) == batch_size:
-                new_tokens += _write_batch(f, batch, target, responses, settings, pad_id, stop_ids)
+                new_tokens += _write_batch(f, batch, target, settings, pad_id, stop_ids, out, tap_ids)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
                 batch = []
         if batch:
-            new_tokens += _write_batch(f, batch, target, responses, settings, pad_id, stop_ids)
+            new_tokens += _write_batch(f, batch, target, settings, pad_id, stop_ids, out, tap_ids)
             bar.update(len(batch))
     bar.close()
     return out
 
 
-def _target_predictions(target, seqs: list[list[int]], pad_id: int, chunk: int = 4) -> list[list[int]]:
-    """The target's greedy next token at every position of each sequence (right padding)."""
+@dataclass
+class Prefill:
+    predictions: list[list[int]] | None  # the target's greedy next token at every position
+    taps: list[np.ndarray] | None  # fp16 [S, K*H] per sequence
+
+
+def _prefill(target, seqs: list[list[int]], pad_id: int, predictions: bool = True,
+             tap_ids: list[int] | None = None, chunk: int = 4) -> Prefill:
+    """One target forward over each sequence (right padding: causal attention never looks at the
+    pads after a sequence, so each row equals the sequence alone)."""
     import torch
 
-    out = []
+    preds, taps = [], []
     for lo in range(0, len(seqs), chunk):  # a few at a time: full logits are [n, S, V]
         group = seqs[lo : lo + chunk]
         width = max(len(s) for s in group)
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         for r, s in enumerate(group):
             ids[r, : len(s)] = torch.tensor(s)
-        logits = target.forward(ids.to(target.device), target.new_cache()).logits  # [n, S, V]
-        out += [row[: len(s)].tolist() for row, s in zip(logits.argmax(-1).cpu(), group)]
-    return out
+        out = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=None if predictions else 1)
+        if predictions:
+            preds += [row[: len(s)].tolist() for row, s in zip(out.logits.argmax(-1).cpu(), group)]  # [n, S]
+        if tap_ids:
+            taps += [row[: len(s)].float().cpu().numpy().astype(np.float16) for row, s in zip(out.taps, group)]
+    return Prefill(preds if predictions else None, taps if tap_ids else None)
 
 
-def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, stop_ids) -> int:
+def _write_batch(f, batch, target, settings: DataSettings, pad_id, stop_ids, out: Path, tap_ids) -> int:
     tok = target.tokenizer
-    if responses == "dataset":
+    if settings.responses == "dataset":
         outs = []
         for p, ids in batch:
             resp = tok(p.response + tok.decode(stop_ids[:1]), add_special_tokens=False)["input_ids"]
@@ -217,16 +241,22 @@ def _write_batch(f, batch, target, responses, settings: DataSettings, pad_id, st
     seqs = [ids + resp for (_, ids), resp in zip(batch, outs)]
     # The dataset's answers are not what the target would say: keep the target's own greedy
     # prediction at every position too (one prefill), for training with `--labels target`.
-    greedy = _target_predictions(target, seqs, pad_id) if responses == "dataset" else None
-    n = 0
+    pre = Prefill(None, None)
+    if settings.responses == "dataset" or tap_ids:
+        pre = _prefill(target, seqs, pad_id, predictions=settings.responses == "dataset", tap_ids=tap_ids)
+    n, cached = 0, []
     for r, ((p, ids), resp) in enumerate(zip(batch, outs)):
         rec = {
             "id": p.id, "split": split_of(p.id, settings.heldout_percent),
             "input_ids": seqs[r], "loss_mask": [0] * len(ids) + [1] * len(resp),
         }
-        if greedy is not None:
-            rec["target_next"] = greedy[r]  # target_next[i]: the target's argmax after input_ids[: i + 1]
+        if pre.predictions is not None:
+            rec["target_next"] = pre.predictions[r]  # target_next[i]: the target's argmax after input_ids[: i + 1]
+        if pre.taps is not None and rec["split"] == "train":
+            cached.append((p.id, pre.taps[r]))
         f.write(json.dumps(rec) + "\n")
         n += len(resp)
-    f.flush()
+    f.flush()  # the samples first: a cache row is never without its sample
+    if cached:
+        append_features(out, "train", tap_ids, cached)
     return n

@@ -55,6 +55,36 @@ class OnlineFeatures:
         return out.taps[0].float().cpu()
 
 
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one, never half of one
+
+
+def _open_for(directory: Path, ids: list[str], lengths: list[int], width: int) -> tuple[np.memmap, list[int], int]:
+    """Open (or create, or grow) the cache of samples `ids` for writing: (array, offsets, done).
+
+    A cache built for fewer samples grows when its samples are the first of these (a data
+    directory that has grown since); any other difference is refused."""
+    directory.mkdir(parents=True, exist_ok=True)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int).tolist()
+    index = {"offsets": offsets, "width": width, "ids": ids}
+    index_path, prog_path = directory / "index.json", directory / "progress.json"
+    done = 0
+    if index_path.exists():
+        old = json.loads(index_path.read_text())
+        n = len(old["ids"])
+        if old["width"] != width or old["ids"] != ids[:n] or old["offsets"] != offsets[: n + 1]:
+            raise BlockdraftError(f"{directory} was built from other samples; delete it to rebuild")
+        done = json.loads(prog_path.read_text())["done"] if prog_path.exists() else 0
+    _write_json(index_path, index)
+    path = directory / "features.f16"
+    size = 2 * max(offsets[-1], 1) * width
+    with open(path, "ab") as f:  # create, and grow to the new size (a kill may have left it longer)
+        f.truncate(size)
+    return np.memmap(path, dtype=np.float16, mode="r+", shape=(max(offsets[-1], 1), width)), offsets, done
+
+
 def build_feature_cache(
     data_dir: str | os.PathLike, split: str, samples: list[dict], target, tap_ids: list[int],
     progress: bool = True, chunk: int = 8,
@@ -63,18 +93,8 @@ def build_feature_cache(
     from tqdm import tqdm
 
     directory = feature_dir(data_dir, split, tap_ids)
-    directory.mkdir(parents=True, exist_ok=True)
-    width = len(tap_ids) * target.hidden_size
-    offsets = np.concatenate([[0], np.cumsum([len(s["input_ids"]) for s in samples])]).tolist()
-    index = {"offsets": offsets, "width": width, "ids": [s["id"] for s in samples]}
-    index_path, prog_path = directory / "index.json", directory / "progress.json"
-    if index_path.exists() and json.loads(index_path.read_text()) != index:
-        raise BlockdraftError(f"{directory} was built from other samples; delete it to rebuild")
-    index_path.write_text(json.dumps(index))
-    done = json.loads(prog_path.read_text())["done"] if prog_path.exists() else 0
-    path = directory / "features.f16"
-    mode = "r+" if path.exists() and done > 0 else "w+"
-    array = np.memmap(path, dtype=np.float16, mode=mode, shape=(max(offsets[-1], 1), width))
+    array, offsets, done = _open_for(directory, [s["id"] for s in samples], [len(s["input_ids"]) for s in samples],
+                                     len(tap_ids) * target.hidden_size)
     bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=f"features ({split})", unit="seq")
     for lo in range(done, len(samples), chunk):
         group = samples[lo : lo + chunk]
@@ -88,13 +108,35 @@ def build_feature_cache(
             i = lo + r
             array[offsets[i] : offsets[i + 1]] = taps[r, : len(s["input_ids"])].float().cpu().numpy()
         array.flush()  # data first, then the progress marker that vouches for it
-        prog_path.write_text(json.dumps({"done": lo + len(group)}))
+        _write_json(directory / "progress.json", {"done": lo + len(group)})
         bar.update(len(group))
     bar.close()
-    if not prog_path.exists():
-        prog_path.write_text(json.dumps({"done": len(samples)}))
+    if not (directory / "progress.json").exists():
+        _write_json(directory / "progress.json", {"done": len(samples)})
     del array
     return CachedFeatures(directory)
+
+
+def append_features(data_dir: str | os.PathLike, split: str, tap_ids: list[int],
+                    rows: list[tuple[str, np.ndarray]]) -> None:
+    """Append samples' features (id, fp16 [S, K*H]) to a cache that is complete so far: how
+    `blockdraft data --features` keeps one beside the samples it writes, from its own prefill."""
+    directory = feature_dir(data_dir, split, tap_ids)
+    width = rows[0][1].shape[1]
+    ids, lengths = [], []
+    if (directory / "index.json").exists():
+        old = json.loads((directory / "index.json").read_text())
+        ids, lengths = list(old["ids"]), np.diff(old["offsets"]).astype(int).tolist()
+        done = json.loads((directory / "progress.json").read_text())["done"]
+        if done != len(ids):
+            raise BlockdraftError(f"{directory} is incomplete ({done} of {len(ids)}); build it before appending")
+    start = len(ids)
+    array, offsets, _ = _open_for(directory, ids + [i for i, _ in rows], lengths + [len(x) for _, x in rows], width)
+    for k, (_, x) in enumerate(rows):
+        array[offsets[start + k] : offsets[start + k + 1]] = x
+    array.flush()
+    _write_json(directory / "progress.json", {"done": start + len(rows)})
+    del array
 
 
 def tap_channel_scale(features, n: int = 64) -> torch.Tensor:

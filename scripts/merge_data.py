@@ -8,9 +8,9 @@
 - Ids become "<source dir name>/<id>" (the same prompt may be in two sources).
 - Held-out samples come only from sources whose responses are the target's own (what a drafter
   meets at inference); with none of those, from all sources.
-- Train features already cached in a source (`blockdraft train` builds them) are copied, not
-  recomputed: the merged cache starts complete up to the first sample that has none, and
-  `blockdraft train` computes the rest (resumable, as always).
+- Train features already cached in a source (`blockdraft data --features` or `blockdraft train`
+  builds them) are copied, not recomputed: the merged cache starts complete up to the first
+  sample that has none, and `blockdraft train` computes the rest (resumable, as always).
 - `--cache-from DIR` also copies features from an earlier merge of the same sources (its ids are
   the same "<source dir name>/<id>"), so growing one source does not recompute the others.
 """

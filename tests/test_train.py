@@ -190,11 +190,11 @@ def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_pa
 
 
 def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
-    from blockdraft.data import _target_predictions
+    from blockdraft.data import _prefill
 
     target = tiny_target("llama")
     seqs = [[1, 5, 9, 2, 7, 7, 3], [4, 4, 8]]
-    greedy = _target_predictions(target, seqs, pad_id=0)
+    greedy = _prefill(target, seqs, pad_id=0).predictions
     for s, g in zip(seqs, greedy):  # batched with right padding == each sequence alone
         alone = target.forward(torch.tensor([s]), target.new_cache()).logits[0].argmax(-1).tolist()
         assert g == alone
@@ -275,3 +275,18 @@ def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp
     assert json.loads((feature_dir(tmp_path / "mix2", "train", taps) / "progress.json").read_text())["done"] == 15
     assert [r["id"] for r in load_samples(tmp_path / "mix2", "train")] == [r["id"] for r in train]
     assert all(torch.equal(again.get(i), feats.get(i)) for i in range(15))
+
+
+def test_a_feature_cache_grows_with_its_data_but_refuses_other_samples(tmp_path):
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.features import build_feature_cache
+
+    target = tiny_target("llama")
+    rows = [{"id": str(i), "input_ids": list(range(5, 10 + i))} for i in range(4)]
+    build_feature_cache(tmp_path, "train", rows[:2], target, [1, 3], progress=False)
+    grown = build_feature_cache(tmp_path, "train", rows, target, [1, 3], progress=False)
+    for i in (0, 3):
+        alone = target.forward(torch.tensor([rows[i]["input_ids"]]), target.new_cache(), [1, 3], logits_at=1).taps[0]
+        torch.testing.assert_close(grown.get(i), alone.half().float())
+    with pytest.raises(BlockdraftError, match="built from other samples"):
+        build_feature_cache(tmp_path, "train", rows[1:], target, [1, 3], progress=False)
