@@ -24,11 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from .draft import default_target_layer_ids
 from .errors import BlockdraftError
-from .features import append_features, build_feature_cache
+from .features import Prefill, append_features, build_feature_cache, prefill
 
 
 @dataclass
@@ -202,33 +200,6 @@ def generate_data(
     return out
 
 
-@dataclass
-class Prefill:
-    predictions: list[list[int]] | None  # the target's greedy next token at every position
-    taps: list[np.ndarray] | None  # fp16 [S, K*H] per sequence
-
-
-def _prefill(target, seqs: list[list[int]], pad_id: int, predictions: bool = True,
-             tap_ids: list[int] | None = None, chunk: int = 4) -> Prefill:
-    """One target forward over each sequence (right padding: causal attention never looks at the
-    pads after a sequence, so each row equals the sequence alone)."""
-    import torch
-
-    preds, taps = [], []
-    for lo in range(0, len(seqs), chunk):  # a few at a time: full logits are [n, S, V]
-        group = seqs[lo : lo + chunk]
-        width = max(len(s) for s in group)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        for r, s in enumerate(group):
-            ids[r, : len(s)] = torch.tensor(s)
-        out = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=None if predictions else 1)
-        if predictions:
-            preds += [row[: len(s)].tolist() for row, s in zip(out.logits.argmax(-1).cpu(), group)]  # [n, S]
-        if tap_ids:
-            taps += [row[: len(s)].float().cpu().numpy().astype(np.float16) for row, s in zip(out.taps, group)]
-    return Prefill(preds if predictions else None, taps if tap_ids else None)
-
-
 def _write_batch(f, batch, target, settings: DataSettings, pad_id, stop_ids, out: Path, tap_ids) -> int:
     tok = target.tokenizer
     if settings.responses == "dataset":
@@ -243,7 +214,7 @@ def _write_batch(f, batch, target, settings: DataSettings, pad_id, stop_ids, out
     # prediction at every position too (one prefill), for training with `--labels target`.
     pre = Prefill(None, None)
     if settings.responses == "dataset" or tap_ids:
-        pre = _prefill(target, seqs, pad_id, predictions=settings.responses == "dataset", tap_ids=tap_ids)
+        pre = prefill(target, seqs, tap_ids, predictions=settings.responses == "dataset", chunk=4, pad_id=pad_id)
     n, cached = 0, []
     for r, ((p, ids), resp) in enumerate(zip(batch, outs)):
         rec = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,31 @@ class OnlineFeatures:
         return out.taps[0].float().cpu()
 
 
+@dataclass
+class Prefill:
+    predictions: list[list[int]] | None  # the target's greedy next token at every position
+    taps: list[np.ndarray] | None  # fp16 [S, K*H] per sequence
+
+
+def prefill(target, seqs: list[list[int]], tap_ids: list[int] | None = None, predictions: bool = False,
+            chunk: int = 8, pad_id: int = 0) -> Prefill:
+    """One target forward over each sequence, a few at a time (full logits are [n, S, V]). Right
+    padding needs no attention mask: causal attention never looks at the pads after a sequence,
+    so each row equals the sequence alone."""
+    preds, taps = [], []
+    for lo in range(0, len(seqs), chunk):
+        group = seqs[lo : lo + chunk]
+        ids = torch.full((len(group), max(len(s) for s in group)), pad_id, dtype=torch.long)
+        for r, s in enumerate(group):
+            ids[r, : len(s)] = torch.tensor(s)
+        out = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=None if predictions else 1)
+        if predictions:
+            preds += [row[: len(s)].tolist() for row, s in zip(out.logits.argmax(-1).cpu(), group)]  # [n, S]
+        if tap_ids:
+            taps += [row[: len(s)].float().cpu().numpy().astype(np.float16) for row, s in zip(out.taps, group)]
+    return Prefill(preds if predictions else None, taps if tap_ids else None)
+
+
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
@@ -97,19 +123,12 @@ def build_feature_cache(
                                      len(tap_ids) * target.hidden_size)
     bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=f"features ({split})", unit="seq")
     for lo in range(done, len(samples), chunk):
-        group = samples[lo : lo + chunk]
-        # Right padding needs no attention mask: causal attention never looks at later pads.
-        width = max(len(s["input_ids"]) for s in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        for r, s in enumerate(group):
-            ids[r, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        taps = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=1).taps
-        for r, s in enumerate(group):
-            i = lo + r
-            array[offsets[i] : offsets[i + 1]] = taps[r, : len(s["input_ids"])].float().cpu().numpy()
+        taps = prefill(target, [s["input_ids"] for s in samples[lo : lo + chunk]], tap_ids, chunk=chunk).taps
+        for r, x in enumerate(taps):
+            array[offsets[lo + r] : offsets[lo + r + 1]] = x
         array.flush()  # data first, then the progress marker that vouches for it
-        _write_json(directory / "progress.json", {"done": lo + len(group)})
-        bar.update(len(group))
+        _write_json(directory / "progress.json", {"done": lo + len(taps)})
+        bar.update(len(taps))
     bar.close()
     if not (directory / "progress.json").exists():
         _write_json(directory / "progress.json", {"done": len(samples)})

@@ -190,11 +190,11 @@ def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_pa
 
 
 def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
-    from blockdraft.data import _prefill
+    from blockdraft.features import prefill
 
     target = tiny_target("llama")
     seqs = [[1, 5, 9, 2, 7, 7, 3], [4, 4, 8]]
-    greedy = _prefill(target, seqs, pad_id=0).predictions
+    greedy = prefill(target, seqs, predictions=True, chunk=4).predictions
     for s, g in zip(seqs, greedy):  # batched with right padding == each sequence alone
         alone = target.forward(torch.tensor([s]), target.new_cache()).logits[0].argmax(-1).tolist()
         assert g == alone
