@@ -29,14 +29,13 @@ SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-package
 PER_MODULE = 8
 
 
-def _stub(source: str, node: ast.FunctionDef) -> tuple[str, str] | None:
+def _stub(lines: list[str], node: ast.FunctionDef) -> tuple[str, str] | None:
     """The function's `def` line(s) and docstring, and the whole function, dedented; None if it
     has no usable docstring."""
     doc = ast.get_docstring(node, clean=False)
-    if not doc or not 60 <= len(doc) <= 700 or not node.body:
+    if not doc or not 60 <= len(doc) <= 700:
         return None
-    first = node.body[0]
-    lines = source.splitlines()
+    first = node.body[0]  # the docstring
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     stub = "\n".join(lines[start : first.end_lineno])
     whole = "\n".join(lines[start : node.end_lineno])
@@ -55,10 +54,11 @@ def stdlib_prompts(root: Path, seed: int = 0) -> list[dict]:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(rel.with_suffix("").parts)
+        lines = source.splitlines()
         found = []
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
-                parts = _stub(source, node)
+                parts = _stub(lines, node)
                 if parts:
                     found.append((f"stdlib:{module}.{node.name}:{node.lineno}", *parts))
         random.Random(f"{seed}:{module}").shuffle(found)

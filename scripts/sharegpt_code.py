@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from blockdraft.data import iter_sharegpt
+from blockdraft.data import iter_sharegpt, load_samples
 
 
 def main() -> None:
@@ -22,16 +21,13 @@ def main() -> None:
     ap.add_argument("--exclude", nargs="*", default=[], help="data directories whose sample ids to leave out")
     ap.add_argument("--limit", type=int, default=3000)
     args = ap.parse_args()
-    used = set()
-    for d in args.exclude:
-        with open(Path(d) / "samples.jsonl") as f:
-            used |= {json.loads(line)["id"] for line in f if line.endswith("\n")}
+    used = {r["id"] for d in args.exclude for r in load_samples(d, None)}
     n = seen = 0
     with open(args.out, "w") as f:
         for p in iter_sharegpt():
-            seen += 1
             if n >= args.limit:
                 break
+            seen += 1
             if p.id in used or not p.response or "```" not in p.response or len(p.messages[0]["content"]) > 1000:
                 continue
             f.write(json.dumps({"id": p.id, "prompt": p.messages[0]["content"], "response": p.response}) + "\n")
