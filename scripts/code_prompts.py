@@ -1,7 +1,7 @@
 """Write HumanEval-style coding prompts made from the Python standard library, as a JSONL that
 `blockdraft data --source` reads.
 
-    python scripts/code_prompts.py OUT.jsonl [--limit N] [--root DIR]
+    python scripts/code_prompts.py OUT.jsonl [--limit N] [--root DIR ...] [--per-module N]
 
 Each prompt is a function's signature and docstring (no body), in the chat wording our HumanEval
 benchmark uses; its "response" is the whole function in a python block, for `--responses dataset`
@@ -9,8 +9,10 @@ benchmark uses; its "response" is the whole function in a python block, for `--r
 The target's answers to such prompts copy the signature and docstring and then write a body:
 text a drafter meets on HumanEval but rarely in ShareGPT chat. The stdlib holds none of the
 HumanEval problems, so the benchmark stays out of the training data.
-Functions are taken in a fixed order (a seeded shuffle), at most 8 per module, public names only,
-docstrings of 60 to 700 characters; tests, demos and vendored code are skipped.
+Functions are taken in a fixed order (a seeded shuffle), at most 8 per module (`--per-module`),
+public names only, docstrings of 60 to 700 characters; tests, demos and vendored code are skipped.
+`--root` (repeatable) reads other source trees instead, e.g. pure-Python packages installed by
+`make setup` (their ids start with the root's folder name; the stdlib's with "stdlib").
 """
 
 from __future__ import annotations
@@ -42,7 +44,20 @@ def _stub(lines: list[str], node: ast.FunctionDef) -> tuple[str, str] | None:
     return textwrap.dedent(stub).rstrip() + "\n", textwrap.dedent(whole).rstrip() + "\n"
 
 
-def stdlib_prompts(root: Path, seed: int = 0) -> list[dict]:
+def stdlib_prompts(root: Path, seed: int = 0, per_module: int = PER_MODULE) -> list[dict]:
+    return source_prompts({"stdlib": root}, seed, per_module)
+
+
+def source_prompts(roots: dict[str, Path], seed: int = 0, per_module: int = PER_MODULE) -> list[dict]:
+    """Prompts from each source tree (id prefix -> root), in one seeded order."""
+    out = []
+    for prefix, root in roots.items():
+        out += _root_prompts(root, prefix, seed, per_module)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _root_prompts(root: Path, prefix: str, seed: int, per_module: int) -> list[dict]:
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -60,11 +75,10 @@ def stdlib_prompts(root: Path, seed: int = 0) -> list[dict]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
                 parts = _stub(lines, node)
                 if parts:
-                    found.append((f"stdlib:{module}.{node.name}:{node.lineno}", *parts))
+                    found.append((f"{prefix}:{module}.{node.name}:{node.lineno}", *parts))
         random.Random(f"{seed}:{module}").shuffle(found)
         out += [{"id": i, "prompt": HUMANEVAL_TEMPLATE.format(prompt=stub), "response": f"```python\n{whole}```"}
-                for i, stub, whole in found[:PER_MODULE]]
-    random.Random(seed).shuffle(out)
+                for i, stub, whole in found[:per_module]]
     return out
 
 
@@ -72,9 +86,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="directory of .py files")
+    ap.add_argument("--root", action="append", help="directory of .py files, or 'stdlib' (repeatable; default: stdlib)")
+    ap.add_argument("--per-module", type=int, default=PER_MODULE, help="at most this many functions per module")
     args = ap.parse_args()
-    prompts = stdlib_prompts(Path(args.root))[: args.limit]
+    roots = {r if r == "stdlib" else Path(r).name: Path(sysconfig.get_paths()["stdlib"] if r == "stdlib" else r)
+             for r in args.root or ["stdlib"]}
+    missing = [str(r) for r in roots.values() if not r.is_dir()]
+    if missing:
+        ap.error(f"not a directory: {', '.join(missing)}")
+    prompts = source_prompts(roots, per_module=args.per_module)[: args.limit]
     with open(args.out, "w") as f:
         for p in prompts:
             f.write(json.dumps(p) + "\n")

@@ -69,3 +69,16 @@ def test_code_prompts_hold_signature_and_docstring_and_the_whole_function_as_res
     assert [p.id for p in read] == ids
     assert read[0].messages == [{"role": "user", "content": prompts[0]["prompt"]}]
     assert read[0].response == prompts[0]["response"]
+
+
+def test_code_prompts_from_several_roots_with_a_per_module_cap(tmp_path):
+    for name in ("liba", "libb"):
+        (tmp_path / name).mkdir()
+        for i in range(6):
+            (tmp_path / name / "many.py").open("a").write(f'def f{i}(x):\n    """{DOC}"""\n    return x + {i}\n\n')
+    mod = runpy.run_path(SCRIPT)
+    prompts = mod["source_prompts"]({"liba": tmp_path / "liba", "libb": tmp_path / "libb"}, per_module=4)
+    ids = [p["id"] for p in prompts]
+    assert sorted(i.split(":")[0] for i in ids) == ["liba"] * 4 + ["libb"] * 4
+    assert len(set(ids)) == 8
+    assert prompts == mod["source_prompts"]({"liba": tmp_path / "liba", "libb": tmp_path / "libb"}, per_module=4)
