@@ -8,7 +8,9 @@ With several logs, each run is a stage that started from the previous stage's dr
 counts sequences across stages, and a dotted line marks where each stage starts (each stage scores
 its own held-out split, so the curves join only roughly).
 --start adds the point at 0 sequences (e.g. the drafter a run was initialised from, scored by
-scripts/heldout_accuracy.py on the same held-out split)."""
+scripts/heldout_accuracy.py on the same held-out split).
+--bench TAU.json (repeatable; `blockdraft tau --json` files with one drafter per stage, in stage
+order) adds each stage's benchmark tau at the end of that stage's run."""
 
 import json
 import sys
@@ -27,7 +29,8 @@ def _evals(log_path: str) -> tuple[list[float], list[float], list[float], int]:
     return x, tau, acc, max(seen.values(), default=0)
 
 
-def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None = None) -> None:
+def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None = None,
+         bench: list[str] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,6 +39,7 @@ def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax2 = ax.twinx()
     offset = 0
+    ends = []
     for i, path in enumerate(log_paths):
         x, tau, acc, last = _evals(path)
         x = [offset + v for v in x]
@@ -46,6 +50,13 @@ def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None 
         ax.plot(x, tau, "o-", color="#1f5fbf", label="held-out tau (block 16, by replay)" if i == 0 else None)
         ax2.plot(x, acc, "s--", color="#888", label="held-out accuracy, block position 1" if i == 0 else None)
         offset += last
+        ends.append(offset)
+    for path, marker, color in zip(bench, "^vD*", ["#2a9d3a", "#e07b00", "#9b59b6", "#c0392b"]):
+        result = json.load(open(path))
+        taus = [d["tau"] for d in result["drafters"].values()]
+        if len(taus) != len(ends):
+            sys.exit(f"{path}: {len(taus)} drafters for {len(ends)} stages")
+        ax.plot(ends, taus, marker + "-", color=color, label=f"{result['dataset']}, {result['prompts']} prompts (end of stage)")
     ax.set_xlabel("training sequences seen" + (" (all stages)" if len(log_paths) > 1 else ""))
     ax.set_ylabel("tau")
     ax2.set_ylabel("accuracy at position 1")
@@ -57,11 +68,15 @@ def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    start = None
+    start, bench = None, []
+    while "--bench" in args:
+        i = args.index("--bench")
+        bench.append(args[i + 1])
+        args = args[:i] + args[i + 2:]
     if "--start" in args:
         i = args.index("--start")
         start = (float(args[i + 1]), float(args[i + 2]))
         args = args[:i] + args[i + 3:]
     if len(args) < 2:
         sys.exit(__doc__)
-    main(args[:-1], args[-1], start)
+    main(args[:-1], args[-1], start, bench)
