@@ -89,11 +89,15 @@ def main() -> None:
     ap.add_argument("--root", action="append", help="directory of .py files, or 'stdlib' (repeatable; default: stdlib)")
     ap.add_argument("--per-module", type=int, default=PER_MODULE, help="at most this many functions per module")
     args = ap.parse_args()
-    roots = {r if r == "stdlib" else Path(r).name: Path(sysconfig.get_paths()["stdlib"] if r == "stdlib" else r)
-             for r in args.root or ["stdlib"]}
-    missing = [str(r) for r in roots.values() if not r.is_dir()]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = [stdlib if r == "stdlib" else Path(r) for r in args.root or ["stdlib"]]
+    missing = [str(r) for r in paths if not r.is_dir()]
     if missing:
         ap.error(f"not a directory: {', '.join(missing)}")
+    # the id prefix: "stdlib", or the folder's name (two roots of one name would share ids)
+    roots = {"stdlib" if r.resolve() == stdlib.resolve() else r.name: r for r in paths}
+    if len(roots) < len(paths):
+        ap.error("two --root folders give the same id prefix (the same folder, or the same folder name)")
     prompts = source_prompts(roots, per_module=args.per_module)[: args.limit]
     with open(args.out, "w") as f:
         for p in prompts:

@@ -38,6 +38,11 @@ MODULE = textwrap.dedent(f'''
 ''')
 
 
+def _many(n: int) -> str:
+    """A module of n documented functions."""
+    return "".join(f'def f{i}(x):\n    """{DOC}"""\n    return x + {i}\n\n' for i in range(n))
+
+
 def test_code_prompts_hold_signature_and_docstring_and_the_whole_function_as_response(tmp_path):
     root = tmp_path / "lib"
     (root / "pkg").mkdir(parents=True)
@@ -45,8 +50,7 @@ def test_code_prompts_hold_signature_and_docstring_and_the_whole_function_as_res
     (root / "pkg" / "mod.py").write_text(MODULE)
     (root / "tests" / "mod.py").write_text(MODULE)  # test directories are skipped
     (root / "broken.py").write_text("def f(:\n")  # unparsable files are skipped
-    for i in range(12):  # at most 8 functions from one module
-        (root / "many.py").open("a").write(f'def f{i}(x):\n    """{DOC}"""\n    return x + {i}\n\n')
+    (root / "many.py").write_text(_many(12))  # at most 8 functions from one module
 
     mod = runpy.run_path(SCRIPT)
     prompts = mod["stdlib_prompts"](root)
@@ -74,8 +78,7 @@ def test_code_prompts_hold_signature_and_docstring_and_the_whole_function_as_res
 def test_code_prompts_from_several_roots_with_a_per_module_cap(tmp_path):
     for name in ("liba", "libb"):
         (tmp_path / name).mkdir()
-        for i in range(6):
-            (tmp_path / name / "many.py").open("a").write(f'def f{i}(x):\n    """{DOC}"""\n    return x + {i}\n\n')
+        (tmp_path / name / "many.py").write_text(_many(6))
     mod = runpy.run_path(SCRIPT)
     prompts = mod["source_prompts"]({"liba": tmp_path / "liba", "libb": tmp_path / "libb"}, per_module=4)
     ids = [p["id"] for p in prompts]
