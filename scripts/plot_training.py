@@ -12,6 +12,7 @@ scripts/heldout_accuracy.py on the same held-out split).
 --bench TAU.json (repeatable; `blockdraft tau --json` files with one drafter per stage, in stage
 order) adds each stage's benchmark tau at the end of that stage's run."""
 
+import itertools
 import json
 import sys
 
@@ -51,7 +52,8 @@ def main(log_paths: list[str], out_path: str, start: tuple[float, float] | None 
         ax2.plot(x, acc, "s--", color="#888", label="held-out accuracy, block position 1" if i == 0 else None)
         offset += last
         ends.append(offset)
-    for path, marker, color in zip(bench, "^vD*", ["#2a9d3a", "#e07b00", "#9b59b6", "#c0392b"]):
+    styles = itertools.cycle(zip("^vD*", ["#2a9d3a", "#e07b00", "#9b59b6", "#c0392b"]))
+    for path, (marker, color) in zip(bench, styles):  # every file plotted; styles repeat after 4
         result = json.load(open(path))
         taus = [d["tau"] for d in result["drafters"].values()]
         if len(taus) != len(ends):
