@@ -6,7 +6,7 @@ changes speed only. Model:
   expected tokens of a block b:  E(b) = 1 + sum_{k=1}^{b-1} prod_{j<=k} alpha_j
   where alpha_j = P(draft j accepted | drafts 1..j-1 accepted), counted per position with a prior;
   cost of a step with block b:   c(b), measured online (EMA) for the blocks actually run, and
-  interpolated linearly between b=1 and the largest block for the others.
+  interpolated linearly between the nearest measured blocks for the others (until chosen).
 The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
 runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
 an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
@@ -57,12 +57,17 @@ class AdaptiveBlockPolicy:
         return total
 
     def step_cost(self, block: int) -> float | None:
+        """The measured cost of this block, else a straight line between the nearest measured
+        blocks on either side (a forward's cost is not smooth in its tokens on a CPU: t(2) may
+        cost what t(8) does, so each block is measured once it is ever chosen)."""
         if block in self.cost:
             return self.cost[block]
-        lo, hi = self.cost.get(1), self.cost.get(self.max_block)
-        if lo is None or hi is None:
+        below = max((b for b in self.cost if b < block), default=None)
+        above = min((b for b in self.cost if b > block), default=None)
+        if below is None or above is None:
             return None
-        return lo + (hi - lo) * (block - 1) / max(1, self.max_block - 1)
+        lo, hi = self.cost[below], self.cost[above]
+        return lo + (hi - lo) * (block - below) / (above - below)
 
     def rate(self, block: int) -> float | None:
         """Expected tokens per second of a step with this block; None until its cost is known."""

@@ -28,6 +28,7 @@ import torch
 
 from .decoding import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats
 from .errors import BlockdraftError
+from .kernels import use_packed
 from .oracle import OracleDraft
 from .verify import SamplingParams
 
@@ -101,6 +102,14 @@ class MethodResult:
     taus: list[float] = field(default_factory=list)  # per request
     lookup_steps: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    step_seconds: dict[str, float] = field(default_factory=dict)  # our engine: decode time by phase
+
+    def step_ms(self) -> dict | None:
+        """Milliseconds per decode step by phase (StepSeconds), our engine only."""
+        steps = len(self.acceptance_lengths)
+        if not steps or not self.step_seconds:
+            return None
+        return {k: round(1e3 * v / steps, 2) for k, v in self.step_seconds.items()}
 
     def summary(self, block_size: int) -> dict:
         hist = GenerationStats(acceptance_lengths=self.acceptance_lengths).histogram(block_size)
@@ -111,6 +120,7 @@ class MethodResult:
             "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
             "acceptance_histogram": hist,
             **({"lookup_steps": self.lookup_steps} if self.lookup_steps else {}),
+            **({"step_ms": self.step_ms()} if self.step_ms() else {}),
         }
 
 
@@ -124,6 +134,8 @@ def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -
     res.acceptance_lengths += out.stats.acceptance_lengths
     res.taus.append(out.stats.tau)
     res.lookup_steps += out.stats.lookup_steps
+    for phase, seconds in out.stats.step_seconds.as_dict().items():
+        res.step_seconds[phase] = res.step_seconds.get(phase, 0.0) + seconds
     return out.token_ids
 
 
@@ -133,7 +145,7 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult, **extra) -> l
                                                          top_k=s.top_k or None, top_p=s.top_p)
     stop = target.stop_token_ids
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), use_packed(False):  # transformers as a user calls it: its own kernels
         out = target.model.generate(
             torch.tensor([ids], device=target.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
                                                                                  device=target.device),
@@ -152,18 +164,10 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     """Seconds of a target forward over b new tokens (b = 1..B, after the prompt) and of one
     draft forward for a block of B: the cost model behind the ceiling speedup."""
     from .draft import DraftCache
+    from .profile import timed as timed_on
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return _median(times)
+        return timed_on(fn, target.device, repeats)
 
     cache = target.new_cache()
     taps = draft.cfg.target_layer_ids if draft is not None else None
@@ -174,7 +178,7 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
         ids = torch.zeros(1, b, dtype=torch.long, device=target.device)
 
         def verify(ids=ids):
-            target.forward(ids, cache, taps)
+            target.forward(ids, cache, taps).logits  # the body and the head over all b rows
             target.rollback(cache, n)
 
         t_target[b] = timed(verify)
@@ -209,9 +213,10 @@ def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> f
 def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
-              references: list[list[int]] | None = None, cost_repeats: int = 3) -> dict:
+              references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True) -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
-    `cost_repeats`: timings of each forward per prompt for the cost model."""
+    `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
+    prompts, the cost of each part of a step by number of tokens (profile.py), in this run."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -269,6 +274,12 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         if ceilings:  # measured under the run's own conditions (a one-off measurement drifts with
             # the machine's state), at a context halfway through this prompt's generation
             samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()), cost_repeats))
+    step_profile = None
+    if profile:  # at the first prompt's context halfway through its generation, as the cost model
+        from .profile import BLOCKS, profile_step
+
+        first = prompts[0] + next(iter(results.values())).outputs[0][: max_new_tokens // 2]
+        step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(blocks.values())}))
     report = {m: r.summary(blocks[m]) for m, r in results.items()}
     costs = median_costs(samples) if ceilings else None
     for m in methods:
@@ -301,6 +312,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
                                             "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
+            "step_profile_ms": step_profile,
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 
@@ -317,6 +329,17 @@ def format_table(report: dict) -> str:
         lines.append(f"outputs identical to {against}'s for every method and prompt")
     elif report["temperature"] == 0:
         lines.append("outputs not compared (add hf or ar to --methods)")
+    phased = {m: r["step_ms"] for m, r in report["methods"].items() if r.get("step_ms")}
+    if phased:
+        phases = list(next(iter(phased.values())))
+        lines.append("ms per decode step by phase (our engine)")
+        lines.append(f"{'method':<16}" + "".join(f"{p:>10}" for p in phases) + f"{'total':>10}")
+        for m, ph in phased.items():
+            lines.append(f"{m:<16}" + "".join(f"{ph[p]:>10}" for p in phases) + f"{round(sum(ph.values()), 2):>10}")
+    if report.get("step_profile_ms"):
+        from .profile import format_profile
+
+        lines.append(format_profile(report["step_profile_ms"]))
     return "\n".join(lines)
 
 

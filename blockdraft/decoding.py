@@ -18,8 +18,9 @@ from .adaptive import AdaptiveBlockPolicy
 from .checkpoint import check_fits
 from .draft import DraftCache, DraftModel
 from .errors import BlockdraftError
+from .kernels import prepack
 from .lookup import lookup_proposals
-from .target import Target
+from .target import Target, TargetOutput
 from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampled
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
@@ -45,6 +46,27 @@ class Step:
 
 
 @dataclass
+class StepSeconds:
+    """Where the decode steps' time went, summed over steps (read with the engine's clock; on
+    CUDA, without syncs, a phase is charged for its launches and the verdict's sync for the rest)."""
+
+    lookup: float = 0.0  # searching the context for prompt-lookup proposals
+    draft: float = 0.0  # the draft forward (context projection, layers, head) and the proposals
+    target: float = 0.0  # the target forward over [anchor, drafts] (its body and taps)
+    verify: float = 0.0  # the target's LM head on the rows read and the verdict
+    commit: float = 0.0  # cache rollback, draft-context bookkeeping, policies, stop checks
+    mark: float = field(default=0.0, repr=False)  # the clock at the end of the last phase
+
+    def lap(self, phase: str, now: float) -> None:
+        """Charge the time since the last mark to `phase`."""
+        setattr(self, phase, getattr(self, phase) + now - self.mark)
+        self.mark = now
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "mark"}
+
+
+@dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -53,6 +75,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     lookup_steps: int = 0  # steps that verified prompt-lookup proposals instead of the drafter's
+    step_seconds: StepSeconds = field(default_factory=StepSeconds)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
 
     @property
@@ -126,11 +149,12 @@ def propose(draft_logits: torch.Tensor, config: GenerationConfig, gen):
     return sample(q, gen), q
 
 
-def verify_block(verify_logits: torch.Tensor, drafts: torch.Tensor, q, config: GenerationConfig, gen):
-    """Verdict on drafts [n] from the target's logits [n + 1, V] over [anchor, drafts]."""
+def verify_block(out: TargetOutput, drafts: torch.Tensor, q, config: GenerationConfig, gen):
+    """Verdict on drafts [n] from the target's forward over [anchor, drafts] (n + 1 rows). The LM
+    head runs lazily, on the rows up to the first rejection (verify.py reads them in chunks)."""
     if config.sampling.greedy:
-        return verify_greedy(drafts, verify_logits.argmax(-1))
-    return verify_sampled(drafts, probs_from_logits(verify_logits, config.sampling), q, gen)
+        return verify_greedy(drafts, lambda a, b: out.rows(a, b).argmax(-1))
+    return verify_sampled(drafts, lambda a, b: probs_from_logits(out.rows(a, b), config.sampling), q, gen)
 
 
 def validate_request(target: Target, prompt_ids: list[int], config: GenerationConfig) -> None:
@@ -198,7 +222,7 @@ def decode_steps(
     cache = target.new_cache()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     out = target.forward(prompt, cache, taps, logits_at=1)
-    anchor = _choose(out.logits[0, -1], params, gen)
+    anchor = _choose(out.rows(0, 1)[0], params, gen)
     pending_taps = [out.taps]  # chunks [1, T_i, K*H] of target taps not yet in the draft cache
     draft_cache = DraftCache(len(draft.layers)) if taps else None
     position = len(prompt_ids)  # absolute position of the anchor (committed, not yet in cache)
@@ -212,6 +236,8 @@ def decode_steps(
         # 2. Propose, never more than the budget or the context can take: prompt-lookup tokens
         #    where they are expected to pay (no forward at all), else the drafter's block.
         t_step = clock()
+        times = stats.step_seconds
+        times.mark = t_step
         room = min(budget - len(stopper.generated) + 1, target.max_context - position)  # largest block
         drafts = q = lookup_policy = None
         looked_up = []
@@ -227,6 +253,7 @@ def decode_steps(
                 mine, theirs = lookup_policy.rate(1 + len(looked_up)), policy.best_rate()
                 if mine is not None and theirs is not None and mine < theirs:
                     looked_up = []
+        times.lap("lookup", clock())
         if looked_up:
             drafts = torch.tensor(looked_up, dtype=torch.long, device=target.device)  # q one-hot: None
             block = 1 + len(looked_up)
@@ -239,16 +266,19 @@ def decode_steps(
                     position, block,
                 )
                 drafts, q = propose(draft_logits, config, gen)
+        times.lap("draft", clock())
         # 3. Verify: one target forward over [anchor, drafts].
         block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
         if drafts is not None:
             block_ids = torch.cat([block_ids, drafts[None]], dim=1)  # [1, block]
         out = target.forward(block_ids, cache, taps)
+        times.lap("target", clock())
         if drafts is None:
-            accepted, next_token = 0, _choose(out.logits[0, -1], params, gen)
+            accepted, next_token = 0, _choose(out.rows(0, 1)[0], params, gen)
         else:
-            verdict = verify_block(out.logits[0], drafts, q, config, gen)
+            verdict = verify_block(out, drafts, q, config, gen)
             accepted, next_token = verdict.num_accepted, verdict.next_token
+        times.lap("verify", clock())
         # 4. Commit the anchor and accepted drafts; roll the target cache back past rejected
         #    drafts. Their taps become draft context; the new token is the next anchor.
         committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
@@ -274,6 +304,7 @@ def decode_steps(
         stats.drafted += block - 1
         stats.accepted += accepted
         stats.decode_seconds = clock() - t0
+        times.lap("commit", clock())
         yield Step(emitted, block - 1, accepted)
     stats.finish_reason = stopper.finish_reason
 
@@ -287,6 +318,7 @@ class Engine:
         if draft is not None:
             check_fits(draft.cfg, target)
             draft.to(device=target.device, dtype=target.dtype)
+            prepack(draft)  # oneDNN-packed linear layers on the CPU (kernels.py), as the target's
         self.target = target
         self.draft = draft
         self.policies: dict = {}  # what adaptive blocks learned so far: by maximum block, and "lookup"

@@ -17,11 +17,13 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
 
 from .errors import BlockdraftError
+from .kernels import prepack
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,14 +47,32 @@ def cache_dir() -> Path:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [B, n_keep, V] at the positions asked for
+    """One target forward. The LM head runs only on the rows asked for (`rows`): verification
+    reads the logits up to the first rejection, and most blocks are rejected early."""
+
+    hidden: torch.Tensor | None  # [B, n_keep, H] final-normed hidden states at the positions asked for
     taps: torch.Tensor | None  # [B, T, K*H]: tapped layers' outputs, concatenated on the last dim
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden [..., H] -> logits [..., V]
+    full_logits: torch.Tensor | None = None  # [B, n_keep, V], when the model's head could not be split off
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """All kept rows' logits [B, n_keep, V] (computed on first use)."""
+        if self.full_logits is None:
+            self.full_logits = self.head(self.hidden)
+        return self.full_logits
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The logits [stop - start, V] of kept rows start..stop-1 of the first sequence."""
+        if self.full_logits is not None:
+            return self.full_logits[0, start:stop]
+        return self.head(self.hidden[0, start:stop])
 
 
 class Target:
     """A causal LM with its tokenizer, plus the few operations speculative decoding needs."""
 
-    def __init__(self, model, tokenizer, name: str = "target"):
+    def __init__(self, model, tokenizer, name: str = "target", packed: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -67,6 +87,9 @@ class Target:
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self._head_splits: bool | None = None
+        if packed:  # prepacked oneDNN linear layers on the CPU (kernels.py); elsewhere a no-op
+            prepack(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -115,34 +138,49 @@ class Target:
         if remove > 0:
             cache.crop(-remove)  # a negative count removes that many tokens (transformers 5.x)
 
+    @property
+    def head_splits(self) -> bool:
+        """Whether the model's logits are exactly its LM head over its decoder's output (no logit
+        scaling or soft-capping after the head), so the head can run lazily, row by row. Probed
+        once, on two tokens; a model that fails the probe runs its own forward as a whole."""
+        if self._head_splits is None:
+            ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
+            with torch.inference_mode():
+                full = self.model(input_ids=ids, use_cache=False).logits
+                split = self.lm_head(self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+            self._head_splits = split.shape == full.shape and bool(torch.allclose(split, full, rtol=1e-5, atol=1e-5))
+        return self._head_splits
+
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
         cache,
         tap_layer_ids: list[int] | None = None,
-        logits_at: torch.Tensor | int | None = None,
+        logits_at: int | None = None,
     ) -> TargetOutput:
         """Run `input_ids` at the positions right after what `cache` holds.
 
-        logits_at: None for all T positions, an int n for the last n, or a 1-D index tensor.
+        logits_at: None to keep all T positions, an int n for the last n. The LM head runs when the
+        output's `logits` or `rows` are read, on those rows only.
         """
         start = cache.get_seq_length()
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        keep = 0 if logits_at is None else logits_at
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions[None].expand(input_ids.shape[0], -1),
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=bool(tap_layer_ids),
-            logits_to_keep=keep,
-        )
+        args = dict(input_ids=input_ids, position_ids=positions[None].expand(input_ids.shape[0], -1),
+                    past_key_values=cache, use_cache=True, output_hidden_states=bool(tap_layer_ids))
+        if self.head_splits:
+            out = self.model.base_model(**args)
+            hidden, logits = out.last_hidden_state, None
+            if logits_at is not None:
+                hidden = hidden[:, -logits_at:]
+        else:
+            out = self.model(**args, logits_to_keep=logits_at or 0)
+            hidden, logits = None, out.logits
         taps = None
         if tap_layer_ids:
             # hidden_states[0] is the embedding output; decoder layer i's output is [i + 1].
             taps = torch.cat([out.hidden_states[i + 1] for i in tap_layer_ids], dim=-1)
-        return TargetOutput(logits=out.logits, taps=taps)
+        return TargetOutput(hidden=hidden, taps=taps, head=self.lm_head, full_logits=logits)
 
     @torch.inference_mode()
     def greedy_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -75,40 +76,74 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
-    """T = 0. draft_tokens [n], target_argmax [n + 1]: accept while d_k == argmax p_{k-1}."""
+RowSource = Callable[[int, int], torch.Tensor]  # (start, stop) -> rows start..stop-1 of a [n + 1, ...] tensor
+FIRST_CHUNK = 2  # rows of the first lazy chunk; each next chunk doubles (see `row_chunks`)
+
+
+def row_chunks(rows: int, first: int = FIRST_CHUNK) -> Iterator[tuple[int, int]]:
+    """(start, stop) of chunks covering rows 0..rows-1: first, 2*first, 4*first, ... rows. Most
+    blocks are rejected in the first chunk; a fully accepted block pays a few more head calls."""
+    start, size = 0, max(1, first)
+    while start < rows:
+        yield start, min(rows, start + size)
+        start, size = start + size, 2 * size
+
+
+def _rows(source: torch.Tensor | RowSource) -> RowSource:
+    return source if callable(source) else (lambda a, b: source[a:b])
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor | RowSource,
+                  first_chunk: int | None = None) -> Verdict:
+    """T = 0. draft_tokens [n]; target_argmax [n + 1] (or a source of its rows, read lazily in
+    chunks up to the first disagreement): accept while d_k == argmax p_{k-1}."""
     n = draft_tokens.shape[0]
-    agree = (draft_tokens == target_argmax[:n]).int()
-    num_accepted = agree.cumprod(0).sum()
-    next_token = target_argmax[num_accepted]
-    num_accepted, next_token = torch.stack([num_accepted, next_token]).tolist()  # one host sync
-    return Verdict(num_accepted, next_token)
+    argmax_rows = _rows(target_argmax)
+    for start, stop in row_chunks(n + 1, first_chunk or (n + 1 if not callable(target_argmax) else FIRST_CHUNK)):
+        am = argmax_rows(start, stop)  # [stop - start]
+        m = min(stop, n) - start  # drafts judged by these rows
+        agree = (draft_tokens[start:start + m] == am[:m]).int()
+        run = int(agree.cumprod(0).sum()) if m else 0  # a host sync per chunk
+        if run < m or stop == n + 1:  # a disagreement, or the bonus row is in this chunk
+            return Verdict(start + run, int(am[run]))
+    raise AssertionError("unreachable: the last chunk holds the bonus row")
 
 
 def verify_sampled(
     draft_tokens: torch.Tensor,  # [n]
-    p: torch.Tensor,  # [n + 1, V] target probabilities
+    p: torch.Tensor | RowSource,  # [n + 1, V] target probabilities, or a source of its rows (lazy)
     q: torch.Tensor | None,  # [n, V] the draft distribution d_k was drawn from; None = greedy proposals
     generator: torch.Generator | None = None,
+    first_chunk: int | None = None,
 ) -> Verdict:
     """T > 0 rejection sampling (Leviathan et al.): accept d_k with prob min(1, p(d_k) / q(d_k)),
     on the first rejection draw from normalize(max(0, p - q)), else draw the bonus from p_n.
-    With q = None the proposals were argmaxes (q one-hot), so acceptance is p(d_k)."""
+    With q = None the proposals were argmaxes (q one-hot), so acceptance is p(d_k). A lazy `p`
+    is read in chunks up to the first rejection; the draws are the same either way."""
     n = draft_tokens.shape[0]
+    p_rows = _rows(p)
+    device = draft_tokens.device
+    u = torch.rand(n, generator=generator, device=device)  # all n uniforms first, as the eager rule
     idx = draft_tokens[:, None]
-    p_d = p[:n].gather(-1, idx)[:, 0]
-    q_d = torch.ones_like(p_d) if q is None else q.gather(-1, idx)[:, 0]
-    u = torch.rand(n, generator=generator, device=p.device)
-    accepted = (u * q_d < p_d).int().cumprod(0).sum().item()
-    if accepted == n:
-        return Verdict(n, int(sample(p[n], generator)))
-    row = p[accepted]
-    if q is None:
-        residual = row.clone()
-        residual[draft_tokens[accepted]] = 0
-    else:
-        residual = (row - q[accepted]).clamp_min(0)
-    total = residual.sum()
-    # total == 0 only when p == q on this row, where a rejection has probability 0
-    residual = residual / total if total > 0 else row
-    return Verdict(accepted, int(sample(residual, generator)))
+    q_d = torch.ones(n, device=device) if q is None else q.gather(-1, idx)[:, 0]
+    for start, stop in row_chunks(n + 1, first_chunk or (n + 1 if not callable(p) else FIRST_CHUNK)):
+        chunk = p_rows(start, stop)  # [stop - start, V]
+        m = min(stop, n) - start
+        p_d = chunk[:m].gather(-1, idx[start:start + m])[:, 0]
+        run = int((u[start:start + m] * q_d[start:start + m] < p_d).int().cumprod(0).sum()) if m else 0
+        if run == m and stop < n + 1:
+            continue
+        accepted = start + run
+        row = chunk[run]
+        if accepted == n:
+            return Verdict(n, int(sample(row, generator)))
+        if q is None:
+            residual = row.clone()
+            residual[draft_tokens[accepted]] = 0
+        else:
+            residual = (row - q[accepted]).clamp_min(0)
+        total = residual.sum()
+        # total == 0 only when p == q on this row, where a rejection has probability 0
+        residual = residual / total if total > 0 else row
+        return Verdict(accepted, int(sample(residual, generator)))
+    raise AssertionError("unreachable: the last chunk holds the bonus row")

@@ -31,6 +31,20 @@ def cpu_like(b):  # a step with block b: the target's forward, plus the draft's 
     return verify_cost(b) + (DRAFT_COST if b > 1 else 0.0)
 
 
+def test_unmeasured_blocks_cost_the_line_between_their_nearest_measured_neighbours():
+    policy = AdaptiveBlockPolicy(16)
+    assert policy.step_cost(4) is None
+    for block, seconds in ((1, 1.0), (16, 2.5), (2, 1.9), (8, 1.6)):
+        policy.update(block, 0, seconds)
+    assert policy.step_cost(2) == 1.9 and policy.step_cost(8) == 1.6
+    assert policy.step_cost(5) == pytest.approx(1.9 + (1.6 - 1.9) * 3 / 6)  # between 2 and 8, not 1 and 16
+    assert policy.step_cost(12) == pytest.approx(1.6 + (2.5 - 1.6) * 4 / 8)
+    # a block whose measured cost dips (t(8) < t(2) here) is chosen where it pays
+    policy.passed[1:] = [0.9 * 100] * 15
+    policy.tried[1:] = [100] * 15
+    assert policy.choose() not in (2, 3)
+
+
 def test_poor_acceptance_chooses_plain_decoding():
     tail = simulate(0, cpu_like)
     assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe

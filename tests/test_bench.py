@@ -42,7 +42,20 @@ def test_report_schema_and_identical_outputs():
         assert len(r["acceptance_histogram"]) == 4
         assert ("decode_speedup_vs_ar" in r) == (m != "hf")  # transformers gives no decode time
     assert report["methods"]["ar"]["tau"] == 1.0
-    assert "outputs identical to hf's" in bench.format_table(report)
+    table = bench.format_table(report)
+    assert "outputs identical to hf's" in table
+    for m in ("dflash", "ar", "oracle"):  # our engine's decode time, by phase, sums to the decode time
+        ms = report["methods"][m]["step_ms"]
+        assert set(ms) == {"lookup", "draft", "target", "verify", "commit"} and ms["target"] > 0
+        steps = sum(report["methods"][m]["acceptance_histogram"])
+        decode = report["methods"][m]["tokens"] / report["methods"][m]["tok_s"]
+        assert sum(ms.values()) * steps / 1e3 <= decode
+    assert report["methods"]["ar"]["step_ms"]["draft"] == 0
+    assert "step_ms" not in report["methods"]["hf"]
+    prof = report["step_profile_ms"]
+    assert sorted(prof["target_body"]) == [1, 2, 4, 8, 16] and sorted(prof["draft_layers"]) == [2, 4, 8, 16]
+    assert all(v > 0 for part in ("target_body", "target_head", "draft_layers") for v in prof[part].values())
+    assert "step profile" in table and "ms per decode step by phase" in table
 
 
 def test_a_planted_difference_is_caught(monkeypatch):

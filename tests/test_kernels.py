@@ -1,0 +1,134 @@
+"""The fast forward: prepacked linear layers (kernels.py) and the lazily applied LM head."""
+
+import pytest
+import torch
+from torch import nn
+
+from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.kernels import is_packed, packing_available, prepack, use_packed
+from blockdraft.target import Target
+from blockdraft.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
+
+from conftest import tiny_draft, tiny_target
+
+needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
+                                   reason="oneDNN packing is unavailable in this torch build")
+
+
+@needs_packing
+def test_packed_rows_are_bitwise_independent_of_the_row_count():
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 300)
+    prepack(layer)
+    x = torch.randn(16, 96)
+    with torch.inference_mode():
+        all_rows = layer(x)
+        for m in (1, 2, 3, 5, 8):
+            assert torch.equal(layer(x[:m]), all_rows[:m])  # what makes verify == one-token forwards
+        with use_packed(False):
+            plain = layer(x)
+    assert torch.allclose(plain, all_rows, atol=1e-5)
+
+
+@needs_packing
+def test_packed_layer_follows_weight_changes_and_training():
+    layer = nn.Linear(8, 4)
+    prepack(layer)
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place, as an optimizer step or load_state_dict
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6)
+        assert not torch.allclose(layer(x), before)
+    y = layer(x)  # grad mode: the plain layer, so gradients flow
+    y.sum().backward()
+    assert layer.weight.grad is not None
+    layer.double()  # a cast: the packed copy does not apply to float64, the plain layer runs
+    with torch.inference_mode():
+        assert layer(x.double()).dtype == torch.float64
+
+
+@needs_packing
+def test_target_and_engine_pack_the_target_and_the_drafter():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    Engine(target, draft)
+    assert all(is_packed(m) for m in target.model.modules() if isinstance(m, nn.Linear))
+    assert all(is_packed(m) for m in draft.modules() if isinstance(m, nn.Linear))
+
+
+@needs_packing
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_block_forward_matches_one_token_forwards(kind):
+    """A verify forward over a block gives each position the logits that decoding one token at a
+    time gives, to fp32 rounding: the packed linear layers are bitwise row-independent, and only
+    attention (SDPA over 1 query or a block of them) rounds differently, by ~1e-7."""
+    target = tiny_target(kind)
+    prompt = torch.tensor([[5, 17, 33, 2, 9, 41]])
+    block = torch.tensor([[3, 8, 60, 11, 12, 70, 1, 4]])
+    cache = target.new_cache()
+    target.forward(prompt, cache, logits_at=1)
+    together = target.forward(block, cache).logits[0]
+    cache = target.new_cache()
+    target.forward(prompt, cache, logits_at=1)
+    one_by_one = torch.cat([target.forward(block[:, i:i + 1], cache).logits[0] for i in range(block.shape[1])])
+    assert (together - one_by_one).abs().max() < 1e-5
+    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
+
+
+def test_row_chunks_cover_every_row_once():
+    for rows in range(1, 40):
+        for first in (1, 2, 3):
+            chunks = list(row_chunks(rows, first))
+            assert chunks[0][0] == 0 and chunks[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+
+
+def test_lazy_verification_gives_the_full_verdicts():
+    """Chunked (lazy) verification reads fewer rows and reaches exactly the eager verdicts, greedy
+    and sampled (same seed, same draws), for every acceptance length."""
+    torch.manual_seed(0)
+    vocab, n = 11, 9
+    params = SamplingParams(temperature=0.8)
+    for trial in range(300):
+        logits = torch.randn(n + 1, vocab) * 3
+        argmax = logits.argmax(-1)
+        drafts = argmax[:n].clone()
+        cut = trial % (n + 1)
+        if cut < n:
+            drafts[cut] = (drafts[cut] + 1) % vocab  # first disagreement at `cut`
+        read = []
+
+        def rows(a, b):
+            read.append((a, b))
+            return logits[a:b]
+
+        for first in (1, 2, 4):
+            read.clear()
+            lazy = verify_greedy(drafts, lambda a, b: rows(a, b).argmax(-1), first_chunk=first)
+            assert lazy == verify_greedy(drafts, argmax) and lazy.num_accepted == cut
+            assert read[-1][0] <= cut < read[-1][1]  # stopped at the chunk holding the verdict
+        p = probs_from_logits(logits, params)
+        q = torch.softmax(torch.randn(n, vocab), -1)
+        for qq in (q, None):
+            eager = verify_sampled(drafts, p, qq, torch.Generator().manual_seed(trial))
+            lazy = verify_sampled(drafts, lambda a, b: p[a:b], qq, torch.Generator().manual_seed(trial), first_chunk=2)
+            assert lazy == eager
+
+
+def test_a_model_with_logit_postprocessing_is_not_split_and_stays_lossless():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                             logits_scaling=4.0, bos_token_id=None, eos_token_id=None,
+                                             pad_token_id=None))
+    target = Target(model.float(), tokenizer=None, name="tiny-granite")
+    assert not target.head_splits  # its logits are the head's divided by logits_scaling
+    assert tiny_target("llama").head_splits
+    cfg = GenerationConfig(max_new_tokens=30, block_size=5, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
+    assert Engine(target, tiny_draft(target)).generate([5, 17, 33, 2], cfg).token_ids == plain
