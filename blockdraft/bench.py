@@ -185,9 +185,10 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     t_draft = 0.0
     if draft is not None:
         dcache = DraftCache(len(draft.layers))
-        draft.block_logits(target.embed_tokens, target.lm_head, dcache, out.taps, 0, n, block_size)
+        head = draft.head_for(target.lm_head)
+        draft.block_logits(target.embed_tokens, head, dcache, out.taps, 0, n, block_size)
         empty = out.taps[:, :0]
-        t_draft = timed(lambda: draft.block_logits(target.embed_tokens, target.lm_head, dcache, empty, 0, n,
+        t_draft = timed(lambda: draft.block_logits(target.embed_tokens, head, dcache, empty, 0, n,
                                                    block_size))
     return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
 
@@ -213,10 +214,13 @@ def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> f
 def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
-              references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True) -> dict:
+              references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True,
+              packed: bool = True) -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
-    prompts, the cost of each part of a step by number of tokens (profile.py), in this run."""
+    prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
+    `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
+    "before" of the fast forward; hf methods always run those."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -234,13 +238,18 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     if references is not None and len(references) != len(prompts):
         raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
     # one engine per method: what one method's adaptive policies learn must not help another
-    engines = {m: Engine(target, draft if specs[m].name == "dflash" else None)
+    draft_setup = dict(draft_dtype=draft.dtype) if draft is not None else {}  # as the caller set it up
+    engines = {m: Engine(target, draft if specs[m].name == "dflash" else None, **draft_setup)
                for m in methods if specs[m].name in ("dflash", "ar")}
     plain = engines.get("ar") or Engine(target)
 
     truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
     def run(method, ids, res):
+        with use_packed(packed):
+            return run_method(method, ids, res)
+
+    def run_method(method, ids, res):
         name = specs[method].name
         if name == "hf":
             return _run_hf(target, ids, cfg, res)
@@ -253,7 +262,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             if key not in truth:  # computed beforehand, outside the timing
                 truth[key] = plain.generate(ids, cfg).token_ids
             oracle = OracleDraft(draft, truth[key], len(ids), specs[method].keep, seed=len(truth))
-            return _run_engine(Engine(target, oracle), ids, cfgs[method], res)
+            return _run_engine(Engine(target, oracle, **draft_setup), ids, cfgs[method], res)
         return _run_engine(engines[method], ids, cfgs[method], res)
 
     for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
@@ -273,13 +282,16 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             results[m].outputs.append(out)
         if ceilings:  # measured under the run's own conditions (a one-off measurement drifts with
             # the machine's state), at a context halfway through this prompt's generation
-            samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()), cost_repeats))
+            with use_packed(packed):
+                samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()),
+                                             cost_repeats))
     step_profile = None
     if profile:  # at the first prompt's context halfway through its generation, as the cost model
         from .profile import BLOCKS, profile_step
 
         first = prompts[0] + next(iter(results.values())).outputs[0][: max_new_tokens // 2]
-        step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(blocks.values())}))
+        with use_packed(packed):
+            step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(blocks.values())}))
     report = {m: r.summary(blocks[m]) for m, r in results.items()}
     costs = median_costs(samples) if ceilings else None
     for m in methods:
@@ -312,7 +324,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
                                             "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
-            "step_profile_ms": step_profile,
+            "step_profile_ms": step_profile, "packed_kernels": packed,
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 

@@ -108,6 +108,12 @@ def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dty
             Path(tmp).write_text(json.dumps(payload, indent=2) + "\n")
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a checkpoint is meant to be shared
         os.replace(tmp, directory / name)
+    from .vocab import VOCAB_FILE, save_vocab
+
+    if model.vocab_ids is not None:
+        save_vocab(directory, model.vocab_ids, model.cfg.vocab_size)
+    elif (directory / VOCAB_FILE).exists():
+        (directory / VOCAB_FILE).unlink()  # a stale subset of the weights this directory held before
     return directory
 
 
@@ -141,6 +147,9 @@ def load_draft(directory: str | os.PathLike, device=None, dtype: torch.dtype | N
     if bad:
         raise BlockdraftError(f"{weights}: tensor shapes do not match config.json: {bad[:3]}")
     model.load_state_dict(state)
+    from .vocab import load_vocab
+
+    model.vocab_ids = load_vocab(directory, cfg.vocab_size)  # a draft vocabulary subset, if it has one
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -1,5 +1,5 @@
-"""The `blockdraft` command: generate, chat, serve, init, data, train, bench. Each subcommand is one
-typed function."""
+"""The `blockdraft` command: generate, chat, serve, init, data, train, vocab, bench, tau. Each
+subcommand is one typed function."""
 
 from __future__ import annotations
 
@@ -45,24 +45,42 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
     return rows
 
 
-def load_engine(target: str, draft: str | None, device: str | None = None):
-    """The target plus the drafter: a path, 'none', or None for the bundled one (if any)."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str):
+    """'auto' -> None (the default for the device), else the torch dtype of that name."""
+    import torch
+
+    if name not in DTYPES:
+        raise BlockdraftError(f"unknown dtype {name!r}; choose from {list(DTYPES)}")
+    return None if name == "auto" else getattr(torch, name)
+
+
+def load_engine(target: str, draft: str | None, device: str | None = None, dtype: str = "auto",
+                draft_dtype: str = "auto"):
+    """The target plus the drafter: a path, 'none', or None for the bundled one (if any).
+    dtype: the target's ('auto': fp32 on the CPU, bf16 on CUDA); draft_dtype: the drafter's
+    ('auto': `fast_draft_dtype`)."""
     from .checkpoint import load_draft
     from .decoding import Engine
+    from .kernels import fast_draft_dtype
     from .target import load_target
 
     if draft is not None and draft != "none" and not Path(draft).exists():
         raise BlockdraftError(f"drafter checkpoint {draft!r} does not exist")
-    tgt = load_target(target, device=device)
+    target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype)
+    tgt = load_target(target, device=device, dtype=target_dtype)
     path = bundled_drafter(target) if draft is None else (None if draft == "none" else Path(draft))
     drafter = load_draft(path, device=tgt.device, dtype=tgt.dtype) if path else None
-    return Engine(tgt, drafter)
+    return Engine(tgt, drafter, draft_dtype=chosen_draft_dtype or fast_draft_dtype(tgt.device, tgt.dtype))
 
 
 def cmd_generate(
     target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
     block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = True,
+    dtype: str = "auto", draft_dtype: str = "auto",
 ) -> None:
     from .decoding import GenerationConfig, GenerationStats, TextStream
     from .verify import SamplingParams
@@ -72,7 +90,7 @@ def cmd_generate(
         max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed).validate(),
         block_size=block_size, stop_strings=tuple(stop), lookup=lookup,
     )
-    engine = load_engine(target, draft, device)
+    engine = load_engine(target, draft, device, dtype, draft_dtype)
     tgt = engine.target
     use_chat = tgt.has_chat_template if chat is None else chat
     if use_chat and not tgt.has_chat_template:
@@ -142,15 +160,16 @@ def cmd_data(out: str, source: str, target: str, responses: str, limit: int, bat
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
-              device: str | None, oracle_keep: float, assistant: str | None, plot: str | None) -> None:
+              device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
+              dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True) -> None:
     from .bench import check_methods, dump, format_table, parse_method, plot_report, run_bench
     from .benchdata import load_prompts
     from .target import load_target
 
     chosen = check_methods(tuple(m.strip() for m in methods.split(",") if m.strip()))
     texts = load_prompts(dataset, limit)
-    engine = load_engine(target, draft, device)
-    helper = load_target(assistant, device=engine.target.device) if assistant else None
+    engine = load_engine(target, draft, device, dtype, draft_dtype)
+    helper = load_target(assistant, device=engine.target.device, dtype=engine.target.dtype) if assistant else None
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
     refs = None
     if temperature == 0 and any(parse_method(m).name == "oracle" for m in chosen):
@@ -159,7 +178,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
 
         refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
     report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
-                       oracle_keep=oracle_keep, assistant=helper, references=refs)
+                       oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed)
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
@@ -215,7 +234,8 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
 
 
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
-              max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True) -> None:
+              max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True,
+              dtype: str = "auto", draft_dtype: str = "auto") -> None:
     import os
 
     try:
@@ -229,7 +249,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     if max_queue < 1 or default_max_tokens < 1:
         raise BlockdraftError("--max-queue and --default-max-tokens must be positive")
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
-    engine = load_engine(target, draft, device)
+    engine = load_engine(target, draft, device, dtype, draft_dtype)
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup)
     print(f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
           f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
@@ -237,7 +257,8 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
 
 
 def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int | None, system: str | None, device: str | None, lookup: bool = True) -> None:
+             seed: int | None, system: str | None, device: str | None, lookup: bool = True,
+             dtype: str = "auto", draft_dtype: str = "auto") -> None:
     from .chat import chat_loop
     from .decoding import GenerationConfig
     from .verify import SamplingParams
@@ -246,10 +267,48 @@ def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: f
                               sampling=SamplingParams(temperature, 0, top_p, seed).validate(), lookup=lookup)
     if not 1 <= max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
-    engine = load_engine(target, draft, device)
+    engine = load_engine(target, draft, device, dtype, draft_dtype)
     if not engine.target.has_chat_template:
         raise BlockdraftError(f"target {target!r} has no chat template")
     chat_loop(engine, config, system)
+
+
+def cmd_vocab(draft: str, size: int, data: str | None, source: str | None, limit: int, target: str) -> None:
+    """Give a drafter a draft vocabulary subset (vocab.py) of the `size` most frequent response
+    tokens, counted in a `blockdraft data` directory or in a prompt source's own answers."""
+    from tqdm import tqdm
+
+    from .checkpoint import config_from_json
+    from .vocab import VOCAB_FILE, coverage, most_frequent, save_vocab
+
+    cfg_path = Path(draft) / "config.json"
+    if not cfg_path.is_file():
+        raise BlockdraftError(f"drafter checkpoint {draft!r} has no config.json")
+    vocab = config_from_json(json.loads(cfg_path.read_text()), str(cfg_path)).vocab_size
+    if size == 0:
+        (Path(draft) / VOCAB_FILE).unlink(missing_ok=True)
+        print(f"{draft}: draft vocabulary subset removed (the full {vocab} tokens)")
+        return
+    if (data is None) == (source is None):
+        raise BlockdraftError("give exactly one of --data (a `blockdraft data` directory) or --source")
+    if data is not None:
+        from .data import load_samples
+
+        lists = [[t for t, m in zip(s["input_ids"], s["loss_mask"]) if m] for s in load_samples(data)]
+    else:
+        from transformers import AutoTokenizer
+
+        from .data import iter_jsonl, iter_sharegpt
+        from .target import resolve_target_path
+
+        tok = AutoTokenizer.from_pretrained(resolve_target_path(target))
+        answers = (p.response for p in (iter_sharegpt() if source == "sharegpt" else iter_jsonl(source)) if p.response)
+        lists = [tok(a, add_special_tokens=False)["input_ids"]
+                 for a, _ in tqdm(zip(answers, range(limit)), total=limit, desc="counting tokens")]
+    ids = most_frequent(lists, size, vocab)
+    save_vocab(draft, ids, vocab)
+    print(f"{Path(draft) / VOCAB_FILE}: {len(ids)} of {vocab} tokens, covering {coverage(lists, ids):.1%} "
+          f"of the {sum(len(x) for x in lists)} counted tokens")
 
 
 def cmd_train(resume: bool, **kwargs) -> None:
@@ -257,6 +316,15 @@ def cmd_train(resume: bool, **kwargs) -> None:
 
     path = train(TrainConfig(**kwargs), resume=resume)
     print(f"drafter written to {path}")
+
+
+def _add_dtype_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the target's dtype (auto: float32 on the CPU, exact; bfloat16 on CUDA). bf16 on the CPU "
+                        "is an opt-in whose speculative output may differ from plain bf16 decoding (see docs)")
+    p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
+                   help="the drafter's dtype; it cannot change the output (auto: bfloat16 where this CPU has "
+                        "native bf16 kernels or on CUDA, else the target's)")
 
 
 def _add_lookup_arg(p: argparse.ArgumentParser) -> None:
@@ -306,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_lookup_arg(g)
+    _add_dtype_args(g)
     g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 
@@ -349,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right "
                    "(per method: oracle@0.8)")
     b.add_argument("--assistant", default=None, help="assistant model for hf-assisted (an ID or HF directory)")
+    _add_dtype_args(b)
+    b.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                   help="our engine on oneDNN-prepacked linear layers (default); --no-packed: on transformers' "
+                        "own kernels, as before the fast forward")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
 
     r = sub.add_parser("tau", help="a drafter's tau at temperature 0 by replay against cached greedy references")
@@ -372,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--system", default=None, help="a system message to start every conversation")
     _add_lookup_arg(c)
+    _add_dtype_args(c)
     c.add_argument("--device", default=None)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
@@ -384,7 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond it: 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
     _add_lookup_arg(s)
+    _add_dtype_args(s)
     s.add_argument("--device", default=None)
+
+    v = sub.add_parser("vocab", help="give a drafter a draft vocabulary subset: its head scores only the "
+                       "most frequent tokens (output unchanged)")
+    v.add_argument("--draft", required=True, help="drafter directory (draft_vocab.safetensors is written there)")
+    v.add_argument("--size", type=int, required=True, help="tokens in the subset (0: remove the subset)")
+    v.add_argument("--data", default=None, help="count the response tokens of a `blockdraft data` directory")
+    v.add_argument("--source", default=None, help="or count the answers of 'sharegpt' or a JSONL of prompts")
+    v.add_argument("--limit", type=int, default=20000, help="with --source: answers to count")
+    v.add_argument("--target", default="smollm2-135m", help="with --source: whose tokenizer counts")
 
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
     _add_train_args(t)
@@ -397,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "init": cmd_init,
                     "data": cmd_data, "train": cmd_train, "bench": cmd_bench,
-                    "tau": cmd_tau}
+                    "tau": cmd_tau, "vocab": cmd_vocab}
         commands[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)

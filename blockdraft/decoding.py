@@ -262,8 +262,8 @@ def decode_steps(
             block = min(cap, room)
             if block > 1:
                 draft_logits = draft.block_logits(
-                    target.embed_tokens, target.lm_head, draft_cache, torch.cat(pending_taps, dim=1), anchor,
-                    position, block,
+                    target.embed_tokens, draft.head_for(target.lm_head), draft_cache,
+                    torch.cat(pending_taps, dim=1), anchor, position, block,
                 )
                 drafts, q = propose(draft_logits, config, gen)
         times.lap("draft", clock())
@@ -313,11 +313,14 @@ class Engine:
     """A target and an optional drafter, checked against each other once."""
 
     def __init__(
-        self, target: Target, draft: DraftModel | None = None, clock: Callable[[], float] = time.perf_counter
+        self, target: Target, draft: DraftModel | None = None, clock: Callable[[], float] = time.perf_counter,
+        draft_dtype: torch.dtype | None = None,
     ):
+        """`draft_dtype`: what the drafter computes in (default: the target's). Its numerics cannot
+        change the output, so a cheaper dtype is free where the hardware has one (`kernels.fast_draft_dtype`)."""
         if draft is not None:
             check_fits(draft.cfg, target)
-            draft.to(device=target.device, dtype=target.dtype)
+            draft.to(device=target.device, dtype=draft_dtype or target.dtype)
             prepack(draft)  # oneDNN-packed linear layers on the CPU (kernels.py), as the target's
         self.target = target
         self.draft = draft

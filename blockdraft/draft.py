@@ -172,6 +172,9 @@ class DraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.apply(self._init_weights)
+        # the draft vocabulary subset (vocab.py), sorted target ids; None: the full vocabulary
+        self.vocab_ids: torch.Tensor | None = None
+        self._subset_head = None  # ((the target head's weight, dtype, subset), its SubsetHead), made on first use
 
     @staticmethod
     def _init_weights(module):
@@ -181,6 +184,28 @@ class DraftModel(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def head_for(self, lm_head: nn.Module) -> nn.Module:
+        """The head the draft scores with: the target's `lm_head` itself, or a copy of its rows
+        of the draft vocabulary subset and/or in the draft's dtype (a `SubsetHead`, made once
+        per target head and dtype)."""
+        weight = lm_head.weight
+        if self.vocab_ids is None and weight.dtype == self.dtype:
+            return lm_head
+        key = (weight, self.dtype, self.vocab_ids)
+        if self._subset_head is None or any(a is not b for a, b in zip(self._subset_head[0], key)):
+            from .kernels import prepack
+            from .vocab import SubsetHead
+
+            ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(weight.shape[0])
+            head = SubsetHead(weight.detach().to(self.dtype), ids)
+            prepack(head)
+            self._subset_head = (key, head)
+        return self._subset_head[1]
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple:
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
@@ -222,9 +247,9 @@ class DraftModel(nn.Module):
         ids = torch.full((1, block), self.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
         hidden = self(
-            embed(ids),
+            embed(ids).to(self.dtype),  # the draft may run in another dtype than the target (bf16)
             torch.arange(position, position + block, device=device),
-            context_taps,
+            context_taps.to(self.dtype),
             torch.arange(cache.length, cache.length + context_taps.shape[1], device=device),
             cache,
         )  # [1, block, H]

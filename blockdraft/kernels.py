@@ -101,6 +101,29 @@ def is_packed(layer: nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), _PackedForward)
 
 
+def fast_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
+    """The drafter's dtype for `--draft-dtype auto`: bf16 on CUDA and on a CPU with native bf16
+    instructions (AVX512-BF16 or AMX) that oneDNN packs for; else the target's dtype (without
+    them bf16 is emulated and slower: on an AVX2-only CPU the bundled drafter's block-16 forward
+    took 81 ms in bf16 against 19 ms in fp32)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and native_cpu_bf16() and torch.backends.mkldnn.is_available() \
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return target_dtype
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (Linux: read from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _main() -> None:  # python -m blockdraft.kernels: the timings quoted above, on this machine
     import time
 

@@ -19,6 +19,7 @@ class OracleDraft(DraftModel):
         super().__init__(base.cfg)
         self.load_state_dict(base.state_dict())
         self.to(next(base.parameters()).device)
+        self.vocab_ids = base.vocab_ids  # the same head cost as the drafter it stands in for
         self.continuation = continuation  # the target's greedy tokens after the prompt
         self.prompt_len = prompt_len
         self.keep = keep

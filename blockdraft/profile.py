@@ -44,7 +44,7 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
     n = len(context_ids)
     ms = lambda fn: round(1e3 * timed(fn, dev, repeats), 3)  # noqa: E731
     report: dict = {"context_tokens": n, "repeats": repeats, "target_body": {}, "target_head": {}}
-    hidden = torch.zeros(max(blocks), target.hidden_size, device=dev, dtype=target.dtype)
+    hidden = torch.zeros(max(blocks), target.hidden_size, device=dev, dtype=target.dtype)  # [rows, H]
 
     def verify(b):
         target.forward(torch.zeros(1, b, dtype=torch.long, device=dev), cache, taps)
@@ -67,7 +67,7 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
         return report
     report.update(draft_fuse={}, draft_layers={}, draft_head={})
     dcache = DraftCache(len(draft.layers))
-    embed, head = target.embed_tokens, target.lm_head
+    embed, head = target.embed_tokens, draft.head_for(target.lm_head)  # the draft's head: a subset, maybe
     draft.block_hidden(embed, dcache, out.taps.to(draft.fc.weight.dtype), 0, n, big)  # the context's K/V
     empty = out.taps[:, :0].to(draft.fc.weight.dtype)
     taps_b = out.taps[:, -1:].expand(1, big, -1).to(draft.fc.weight.dtype)

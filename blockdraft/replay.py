@@ -100,7 +100,8 @@ def replay(target: Target, draft: DraftModel, prompt_ids: list[int], reference: 
         block = min(block_size, budget - n + 1, target.max_context - position)
         accepted = 0
         if block > 1:
-            accepted = draft.matching_prefix(target.embed_tokens, target.lm_head, cache, taps[:, cache.length : position],
+            accepted = draft.matching_prefix(target.embed_tokens, draft.head_for(target.lm_head), cache,
+                                             taps[:, cache.length : position],
                                              reference[n - 1], position, block, reference[n : n + block - 1])
         step = min(accepted + 1, len(reference) - n)  # the EOS or the length limit ends the last step
         lengths.append(step)

@@ -132,3 +132,26 @@ def test_a_model_with_logit_postprocessing_is_not_split_and_stays_lossless():
     cfg = GenerationConfig(max_new_tokens=30, block_size=5, stop_token_ids=(), lookup=False)
     plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
     assert Engine(target, tiny_draft(target)).generate([5, 17, 33, 2], cfg).token_ids == plain
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_bf16_drafter_beside_an_fp32_target_keeps_greedy_output(kind):
+    target = tiny_target(kind)
+    draft = tiny_draft(target, block_size=6)
+    cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
+    engine = Engine(target, draft, draft_dtype=torch.bfloat16)
+    assert draft.dtype == torch.bfloat16 and target.dtype == torch.float32
+    head = draft.head_for(target.lm_head)
+    assert head is not target.lm_head and head.rows.weight.dtype == torch.bfloat16  # its own bf16 head copy
+    assert engine.generate([5, 17, 33, 2], cfg).token_ids == plain
+
+
+def test_dtype_flags_are_checked():
+    from blockdraft.cli import build_parser, parse_dtype
+
+    assert parse_dtype("auto") is None and parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float8"])
+    args = build_parser().parse_args(["bench", "--dtype", "bfloat16", "--draft-dtype", "float32"])
+    assert args.dtype == "bfloat16" and args.draft_dtype == "float32"

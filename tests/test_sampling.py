@@ -53,12 +53,18 @@ def test_top_k_top_p_restrict_support():
     assert p[0, 0] == 1.0  # the first token alone has mass >= 0.5
 
 
-@pytest.mark.parametrize("proposal", ["sample", "greedy"])
-def test_engine_sampling_matches_exact_two_token_distribution(proposal):
+@pytest.mark.parametrize("proposal,subset,draft_dtype", [("sample", None, None), ("greedy", None, None),
+                                                         ("sample", [0, 2, 5, 6], None),
+                                                         ("sample", None, torch.bfloat16)])
+def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, draft_dtype):
     """Speculative sampling's joint distribution of the first two new tokens equals the target's,
-    computed exactly by enumeration (tiny vocabulary, temperature 1.5, top-k 5)."""
+    computed exactly by enumeration (tiny vocabulary, temperature 1.5, top-k 5); also with a
+    draft vocabulary subset (vocab.py), where q is zero outside the subset, and with the drafter
+    in bf16 beside an fp32 target (q is whatever the bf16 drafter computed)."""
     target = tiny_target("llama", vocab=8, layers=3)
     draft = tiny_draft(target, block_size=4)
+    if subset is not None:
+        draft.vocab_ids = torch.tensor(subset)
     params = dict(temperature=1.5, top_k=5)
     prompt = [1, 2, 3]
     sp = SamplingParams(**params)
@@ -69,7 +75,7 @@ def test_engine_sampling_matches_exact_two_token_distribution(proposal):
             if p1[a] > 0:
                 p2 = probs_from_logits(target.model(torch.tensor([prompt + [a]])).logits[0, -1], sp)
                 exact[a] = p1[a] * p2
-    engine = Engine(target, draft)
+    engine = Engine(target, draft, draft_dtype=draft_dtype)
     counts = torch.zeros(8, 8)
     runs = 3000
     for seed in range(runs):

@@ -1,0 +1,120 @@
+"""The draft vocabulary subset (vocab.py): output unchanged, stored beside an unchanged checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from blockdraft.checkpoint import load_draft, save_draft
+from blockdraft.cli import main
+from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.errors import BlockdraftError
+from blockdraft.vocab import VOCAB_FILE, SubsetHead, coverage, load_vocab, most_frequent, save_vocab
+
+from conftest import VOCAB, tiny_draft, tiny_target
+
+
+def test_most_frequent_counts_and_breaks_ties_by_id():
+    ids = most_frequent([[5, 5, 7, 1], [7, 5, 9, 1]], 3, 12)
+    assert ids.tolist() == [1, 5, 7]  # 5 x3, 7 x2, 1 x2 (ties: lower id first), 9 x1 left out
+    assert most_frequent([[3]], 10, 12).tolist() == [3]  # never more than the tokens seen
+    assert coverage([[5, 5, 9]], ids) == pytest.approx(2 / 3)
+    with pytest.raises(BlockdraftError):
+        most_frequent([[]], 4, 12)
+
+
+def test_save_and_load_round_trip_and_refuse_bad_files(tmp_path):
+    ids = torch.tensor([0, 3, 4, 90])
+    save_vocab(tmp_path, ids, VOCAB)
+    assert torch.equal(load_vocab(tmp_path, VOCAB), ids)
+    from safetensors.torch import load_file, save_file
+
+    data = load_file(str(tmp_path / VOCAB_FILE))
+    assert torch.equal(data["d2t"] + torch.arange(4), ids) and int(data["t2d"].sum()) == 4  # speculators' maps
+    with pytest.raises(BlockdraftError, match="outside"):
+        load_vocab(tmp_path, 50)  # a subset made for a bigger vocabulary
+    save_file({"d2t": torch.tensor([3, 0])}, str(tmp_path / VOCAB_FILE))  # ids 3, 1: not sorted
+    with pytest.raises(BlockdraftError, match="sorted"):
+        load_vocab(tmp_path, VOCAB)
+    (tmp_path / VOCAB_FILE).write_bytes(b"junk")
+    with pytest.raises(BlockdraftError, match="safetensors"):
+        load_vocab(tmp_path, VOCAB)
+    assert load_vocab(tmp_path / "elsewhere", VOCAB) is None
+
+
+def test_subset_head_scores_only_the_subset():
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, 64)
+    ids = torch.tensor([2, 10, 50])
+    head = SubsetHead(weight, ids)
+    h = torch.randn(4, 64)
+    with torch.inference_mode():
+        logits = head(h)  # [4, V]
+    assert logits.shape == (4, VOCAB)
+    assert torch.allclose(logits[:, ids], h @ weight[ids].T, atol=1e-5)
+    assert torch.isinf(logits[:, [0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(kind, monkeypatch):
+    target = tiny_target(kind)
+    plain = Engine(target)
+    prompt = [5, 17, 33, 2]
+    cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
+    truth = plain.generate(prompt, cfg).token_ids
+    draft = tiny_draft(target, block_size=6)
+    draft.vocab_ids = most_frequent([truth], 12, VOCAB)  # the subset holds much of the output
+    import blockdraft.decoding as decoding
+
+    proposed = []
+    real = decoding.propose
+
+    def spy(logits, config, gen):
+        drafts, q = real(logits, config, gen)
+        proposed.extend(drafts.tolist())
+        return drafts, q
+
+    monkeypatch.setattr(decoding, "propose", spy)
+    got = Engine(target, draft).generate(prompt, cfg)
+    assert got.token_ids == truth
+    assert proposed and set(proposed) <= set(draft.vocab_ids.tolist())
+
+
+def test_checkpoint_with_a_subset_round_trips_and_the_reference_still_loads_it(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=8)
+    draft.vocab_ids = torch.tensor([1, 4, 9, 33])
+    save_draft(draft, tmp_path / "d")
+    assert (tmp_path / "d" / VOCAB_FILE).exists()
+    again = load_draft(tmp_path / "d")
+    assert torch.equal(again.vocab_ids, draft.vocab_ids)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert "draft_vocab_size" not in cfg  # peers would size a head by it: the subset stays ours
+    draft.vocab_ids = None
+    save_draft(draft, tmp_path / "d")  # saving without a subset removes the stale file
+    assert not (tmp_path / "d" / VOCAB_FILE).exists()
+    save_vocab(tmp_path / "d", torch.tensor([1, 4, 9, 33]), VOCAB)
+    pytest.importorskip("dflash")
+    from dflash.model import DFlashDraftModel
+
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    ours = load_draft(tmp_path / "d")
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(ref.state_dict()[name], tensor), name
+
+
+def test_cli_vocab_from_a_data_directory(tmp_path, capsys):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    save_draft(draft, tmp_path / "d")
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"id": str(i), "split": "train", "input_ids": [1, 2, 3, 7, 7, 8], "loss_mask": [0, 0, 0, 1, 1, 1]}
+            for i in range(3)]
+    (data / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["vocab", "--draft", str(tmp_path / "d"), "--size", "5", "--data", str(data)]) == 0
+    assert "covering 100.0%" in capsys.readouterr().out
+    assert load_draft(tmp_path / "d").vocab_ids.tolist() == [7, 8]  # only response tokens count
+    assert main(["vocab", "--draft", str(tmp_path / "d"), "--size", "0"]) == 0
+    assert load_draft(tmp_path / "d").vocab_ids is None
+    assert main(["vocab", "--draft", str(tmp_path / "d"), "--size", "5"]) == 2  # neither --data nor --source
