@@ -2,9 +2,9 @@
 
 PyTorch's default fp32 `nn.Linear` on the CPU repacks its weight on every call with more than
 one row, so a forward over two tokens cost about what two forwards cost (SmolLM2's LM head:
-8.9 ms at one row, 19.8 ms at two). oneDNN can pack a weight once (`_reorder_linear_weight`)
+8.6 ms at one row, 20.4 ms at two). oneDNN can pack a weight once (`_reorder_linear_weight`)
 and multiply any number of rows against the packed copy (`_linear_pointwise`, what inductor's
-CPU freezing emits): 5.1 ms at one row, 5.5 ms at two, 11.4 ms at sixteen (command:
+CPU freezing emits): 5.1 ms at one row, 5.0 ms at two, 11.0 ms at sixteen (command:
 `python -m blockdraft.kernels`).
 
 It also makes each output row bitwise independent of how many rows are multiplied with it,

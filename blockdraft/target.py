@@ -144,11 +144,16 @@ class Target:
         scaling or soft-capping after the head), so the head can run lazily, row by row. Probed
         once, on two tokens; a model that fails the probe runs its own forward as a whole."""
         if self._head_splits is None:
-            ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
-            with torch.inference_mode():
-                full = self.model(input_ids=ids, use_cache=False).logits
-                split = self.lm_head(self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state)
-            self._head_splits = split.shape == full.shape and bool(torch.allclose(split, full, rtol=1e-5, atol=1e-5))
+            self._head_splits = False
+            base = self.model.base_model
+            if base is not self.model and self.lm_head is not None:
+                ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
+                with torch.inference_mode():
+                    full = self.model(input_ids=ids, use_cache=False).logits
+                    hidden = getattr(base(input_ids=ids, use_cache=False), "last_hidden_state", None)
+                    split = None if hidden is None else self.lm_head(hidden)
+                self._head_splits = split is not None and split.shape == full.shape and bool(
+                    torch.allclose(split, full, rtol=1e-5, atol=1e-5))
         return self._head_splits
 
     @torch.inference_mode()

@@ -89,8 +89,11 @@ def row_chunks(rows: int, first: int = FIRST_CHUNK) -> Iterator[tuple[int, int]]
         start, size = start + size, 2 * size
 
 
-def _rows(source: torch.Tensor | RowSource) -> RowSource:
-    return source if callable(source) else (lambda a, b: source[a:b])
+def _read(source: torch.Tensor | RowSource, rows: int, first_chunk: int | None):
+    """A row source and the chunks to read it in: a tensor whole (one chunk), a callable lazily."""
+    if callable(source):
+        return source, row_chunks(rows, first_chunk or FIRST_CHUNK)
+    return (lambda a, b: source[a:b]), row_chunks(rows, first_chunk or rows)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor | RowSource,
@@ -98,8 +101,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor | RowS
     """T = 0. draft_tokens [n]; target_argmax [n + 1] (or a source of its rows, read lazily in
     chunks up to the first disagreement): accept while d_k == argmax p_{k-1}."""
     n = draft_tokens.shape[0]
-    argmax_rows = _rows(target_argmax)
-    for start, stop in row_chunks(n + 1, first_chunk or (n + 1 if not callable(target_argmax) else FIRST_CHUNK)):
+    argmax_rows, chunks = _read(target_argmax, n + 1, first_chunk)
+    for start, stop in chunks:
         am = argmax_rows(start, stop)  # [stop - start]
         m = min(stop, n) - start  # drafts judged by these rows
         agree = (draft_tokens[start:start + m] == am[:m]).int()
@@ -121,12 +124,12 @@ def verify_sampled(
     With q = None the proposals were argmaxes (q one-hot), so acceptance is p(d_k). A lazy `p`
     is read in chunks up to the first rejection; the draws are the same either way."""
     n = draft_tokens.shape[0]
-    p_rows = _rows(p)
+    p_rows, chunks = _read(p, n + 1, first_chunk)
     device = draft_tokens.device
     u = torch.rand(n, generator=generator, device=device)  # all n uniforms first, as the eager rule
     idx = draft_tokens[:, None]
     q_d = torch.ones(n, device=device) if q is None else q.gather(-1, idx)[:, 0]
-    for start, stop in row_chunks(n + 1, first_chunk or (n + 1 if not callable(p) else FIRST_CHUNK)):
+    for start, stop in chunks:
         chunk = p_rows(start, stop)  # [stop - start, V]
         m = min(stop, n) - start
         p_d = chunk[:m].gather(-1, idx[start:start + m])[:, 0]

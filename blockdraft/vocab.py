@@ -58,6 +58,7 @@ def save_vocab(directory: str | Path, ids: torch.Tensor, vocab: int) -> Path:
     path = Path(directory) / VOCAB_FILE
     tmp = path.with_name("." + VOCAB_FILE + ".tmp")
     save_file({"d2t": ids - torch.arange(len(ids)), "t2d": t2d}, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)  # meant to be shared with the checkpoint
     tmp.replace(path)
     return path
 
