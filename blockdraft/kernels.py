@@ -125,7 +125,7 @@ def native_cpu_bf16() -> bool:
 
 
 def _main() -> None:  # python -m blockdraft.kernels: the timings quoted above, on this machine
-    import time
+    from .profile import timed
 
     torch.manual_seed(0)
     lin = nn.Linear(576, 49152, bias=False)
@@ -133,15 +133,9 @@ def _main() -> None:  # python -m blockdraft.kernels: the timings quoted above, 
     packed.load_state_dict(lin.state_dict())
     prepack(packed)
 
-    def ms(fn, n=30):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * sorted(times)[n // 2]
+    def ms(fn):
+        fn()  # the first call packs the weight
+        return 1e3 * timed(fn, torch.device("cpu"), repeats=30)
 
     with torch.inference_mode():
         for rows in (1, 2, 4, 16):

@@ -68,9 +68,9 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
     report.update(draft_fuse={}, draft_layers={}, draft_head={})
     dcache = DraftCache(len(draft.layers))
     embed, head = target.embed_tokens, draft.head_for(target.lm_head)  # the draft's head: a subset, maybe
-    draft.block_hidden(embed, dcache, out.taps.to(draft.fc.weight.dtype), 0, n, big)  # the context's K/V
-    empty = out.taps[:, :0].to(draft.fc.weight.dtype)
-    taps_b = out.taps[:, -1:].expand(1, big, -1).to(draft.fc.weight.dtype)
+    draft.block_hidden(embed, dcache, out.taps, 0, n, big)  # the context's K/V (block_hidden casts the taps)
+    empty = out.taps[:, :0]
+    taps_b = out.taps[:, -1:].expand(1, big, -1).to(draft.dtype)  # fuse takes them in the draft's dtype
     for b in blocks:
         report["draft_fuse"][b] = ms(lambda b=b: draft.fuse(taps_b[:, :b]))
         if b >= 2:
