@@ -42,13 +42,39 @@ def config_to_json(cfg: DraftConfig) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
+        "use_sliding_window": cfg.sliding_window is not None,
     }
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+    if cfg.is_causal is not None:
+        out["is_causal"] = cfg.is_causal
     return out
+
+
+# What DFlash2 drafters (and later variants) add: a convolution over the block, a token selector,
+# a logit multiplier and soft-capping. Their forward is not DFlash's; mis-running one would only
+# give bad drafts, but refusing it says why.
+_UNSUPPORTED_DFLASH = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                       "output_multiplier", "final_logit_softcapping")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(raw: dict, n_layers: int, where: str) -> tuple[list[str] | None, int | None]:
+    types = raw.get("layer_types")
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    if types is None:
+        return None, None
+    if len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
+        raise BlockdraftError(f"{where}: layer_types must list {n_layers} of {list(_LAYER_TYPES)} (got {types})")
+    if "sliding_attention" not in types:
+        return None, None  # all full: the plain DFlash drafter
+    if not isinstance(window, int) or window < 1:
+        raise BlockdraftError(f"{where}: sliding_attention layers need a positive integer sliding_window (got {window!r})")
+    return list(types), window
 
 
 def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
@@ -56,6 +82,13 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     if missing:
         raise BlockdraftError(f"{where}: not a DFlash drafter config, missing {missing}")
     dc = raw["dflash_config"] or {}
+    arch = [a for a in raw.get("architectures") or [] if a != "DFlashDraftModel"]
+    extra_fields = [k for k in _UNSUPPORTED_DFLASH if k in dc or k in raw]
+    if arch or extra_fields:
+        raise BlockdraftError(
+            f"{where}: a drafter variant this engine cannot run ({', '.join(arch + extra_fields)}); "
+            "blockdraft runs DFlash drafters (architectures DFlashDraftModel), not DFlash2's convolution/selector heads"
+        )
     if "mask_token_id" not in dc:
         raise BlockdraftError(f"{where}: dflash_config has no mask_token_id")
     n_layers = int(raw["num_hidden_layers"])
@@ -66,7 +99,8 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise BlockdraftError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
-    known = set(config_to_json(_dummy()).keys())
+    layer_types, window = _layer_types(raw, n_layers, where)
+    known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal"}
     cfg = DraftConfig(
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -82,6 +116,9 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        layer_types=layer_types,
+        sliding_window=window,
+        is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
         extra={k: v for k, v in raw.items() if k not in known},
     )
     init_scale_check(cfg)

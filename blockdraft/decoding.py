@@ -222,6 +222,7 @@ def decode_steps(
     cache = target.new_cache()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     out = target.forward(prompt, cache, taps, logits_at=1)
+    target.rollback(cache, len(prompt_ids))  # nothing to undo: trims the past a forward records
     anchor = _choose(out.rows(0, 1)[0], params, gen)
     pending_taps = [out.taps]  # chunks [1, T_i, K*H] of target taps not yet in the draft cache
     draft_cache = DraftCache(len(draft.layers)) if taps else None
@@ -267,7 +268,9 @@ def decode_steps(
                 )
                 drafts, q = propose(draft_logits, config, gen)
         times.lap("draft", clock())
-        # 3. Verify: one target forward over [anchor, drafts].
+        # 3. Verify: one target forward over [anchor, drafts] (a recurrent state is kept first,
+        #    as it cannot be cut back like K/V; None for attention-only targets).
+        snap = target.snapshot(cache)
         block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
         if drafts is not None:
             block_ids = torch.cat([block_ids, drafts[None]], dim=1)  # [1, block]
@@ -282,7 +285,7 @@ def decode_steps(
         # 4. Commit the anchor and accepted drafts; roll the target cache back past rejected
         #    drafts. Their taps become draft context; the new token is the next anchor.
         committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
-        Target.rollback(cache, position + 1 + accepted)
+        target.rollback(cache, position + 1 + accepted, snap, block_ids)
         if taps:
             new_taps = out.taps[:, : 1 + accepted]
             # a step that ran no draft forward (plain or lookup) left earlier pending context pending
@@ -318,6 +321,7 @@ class Engine:
     ):
         """`draft_dtype`: what the drafter computes in (default: the target's). Its numerics cannot
         change the output, so a cheaper dtype is free where the hardware has one (`kernels.fast_draft_dtype`)."""
+        target.check_exact()  # a target whose cache cannot roll back exactly is refused here, before any work
         if draft is not None:
             check_fits(draft.cfg, target)
             draft.to(device=target.device, dtype=draft_dtype or target.dtype)

@@ -43,7 +43,24 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
+    # per layer "full_attention" (the DFlash default: the block sees all context and itself) or
+    # "sliding_attention" (z-lab's later drafters: the last `sliding_window` positions, causal);
+    # None: all full. `is_causal` overrides causality for every layer, as the reference reads it.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
     extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
+
+    def layer_attention(self, i: int) -> tuple[bool, int | None]:
+        """(causal, window) of draft layer i."""
+        sliding = self.layer_types is not None and self.layer_types[i] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, self.sliding_window if sliding else None
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer full and bidirectional (what the trainer builds and its packed mask assumes)."""
+        return all(self.layer_attention(i) == (False, None) for i in range(self.num_layers))
 
 
 class RMSNorm(nn.Module):
@@ -78,10 +95,26 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def window_mask(queries: int, keys: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """[queries, keys] bool (True = may attend) for a block whose queries are the last `queries`
+    of `keys` positions in order, as the reference builds it; None when everything is visible."""
+    if not causal and window is None:
+        return None
+    q = torch.arange(keys - queries, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    visible = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= (q - k < window) & (causal | (k - q < window))
+    return visible
+
+
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.causal, self.window = cfg.layer_attention(layer)
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
@@ -107,6 +140,8 @@ class DraftAttention(nn.Module):
         k, v = self._kv(x, cos_sin)
         k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
         v = torch.cat([ctx_v, v], dim=2)
+        if mask is None:  # inference: context then block, in position order
+            mask = window_mask(t, k.shape[2], self.causal, self.window, x.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads
         )
@@ -125,10 +160,10 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn = DraftAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
@@ -169,7 +204,7 @@ class DraftModel(nn.Module):
         k = len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.apply(self._init_weights)
         # the draft vocabulary subset (vocab.py), sorted target ids; None: the full vocabulary
@@ -292,14 +327,22 @@ def build_draft_config(
     t = target_config
     n_target = int(t.num_hidden_layers)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    num_kv_heads = int(getattr(t, "num_key_value_heads", None) or t.num_attention_heads)
+    if getattr(t, "kv_lora_rank", None):
+        # MLA (DeepSeek-V3, Kimi-K2.5): no per-head K/V to copy; the draft's plain attention takes
+        # the value head size and the target's query heads, with grouped K/V as in GQA targets
+        head_dim = int(t.v_head_dim)
+        num_kv_heads = max(k for k in (1, 2, 4, 8) if t.num_attention_heads % k == 0)
     rope = getattr(t, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+    if "full_attention" in rope:  # per layer type (Gemma-3): the draft's layers are full attention
+        rope = rope["full_attention"] or {}
+    theta = rope.get("rope_theta", None) or getattr(t, "rope_theta", None) or 10000.0
     return DraftConfig(
         hidden_size=int(t.hidden_size),
         intermediate_size=int(t.intermediate_size),
         num_layers=num_layers,
         num_heads=int(t.num_attention_heads),
-        num_kv_heads=int(getattr(t, "num_key_value_heads", None) or t.num_attention_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=int(head_dim),
         vocab_size=int(vocab_size or t.vocab_size),
         num_target_layers=n_target,

@@ -3,7 +3,8 @@ judged by. `blockdraft bench` reports it beside the per-method phase times of th
 (`StepSeconds`), measured in the same run.
 
 Parts: the target forward's body (decoder layers, taps) over b new tokens after a context, its LM
-head over r rows, the cache rollback after a verify; the draft's context projection of n new
+head over r rows, the cache rollback after a verify that kept only its anchor (for a
+hybrid target: the recurrent state restored and the anchor run again); the draft's context projection of n new
 positions, its layers over a block of b, and its head over b-1 rows. Medians of `repeats`.
 """
 
@@ -57,10 +58,15 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
     ids = torch.zeros(1, big, dtype=torch.long, device=dev)
 
     def rollback_only():
+        # the commonest step: the anchor kept, every draft rejected (a recurrent state is restored
+        # and the anchor run again; attention K/V are cut)
+        snap = target.snapshot(cache)
         target.forward(ids, cache, taps)
         t0 = time.perf_counter()
-        target.rollback(cache, n)
-        return time.perf_counter() - t0
+        target.rollback(cache, n + 1, snap, ids)
+        seconds = time.perf_counter() - t0
+        target.rollback(cache, n, snap)
+        return seconds
 
     report["cache_rollback"] = round(1e3 * sorted(rollback_only() for _ in range(repeats))[repeats // 2], 3)
     if draft is None:

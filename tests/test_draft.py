@@ -73,3 +73,84 @@ def test_reference_dflash_loads_our_checkpoint_and_agrees(tmp_path):
         theirs = target.lm_head(ref(position_ids=torch.arange(ctx + 8)[None], noise_embedding=emb,
                                     target_hidden=taps))
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def _sliding_drafter(tmp_path, causal=None):
+    """A drafter dir whose config declares sliding-window layers, as z-lab's later drafters do."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=8, layers=2)
+    save_draft(draft, tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=5, use_sliding_window=True)
+    raw.pop("block_size")
+    raw["dflash_config"]["block_size"] = 8  # block size inside dflash_config (the 122B drafter's layout)
+    if causal is not None:
+        raw["is_causal"] = causal
+    path.write_text(json.dumps(raw))
+    return target, tmp_path / "d"
+
+
+@pytest.mark.parametrize("causal", [None, False])
+def test_sliding_window_draft_layers_agree_with_the_reference(tmp_path, causal):
+    pytest.importorskip("dflash")
+    from dflash.model import DFlashDraftModel
+
+    target, path = _sliding_drafter(tmp_path, causal)
+    draft = load_draft(path)
+    assert draft.block_size == 8 and draft.cfg.layer_attention(0) == (causal is None, 5)
+    assert draft.cfg.layer_attention(1) == (bool(causal), None) and not draft.cfg.plain_attention
+    ref = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    ctx = 11
+    taps = torch.randn(1, ctx, 3 * 64)
+    emb = target.embed_tokens(torch.tensor([[5] + [draft.cfg.mask_token_id] * 7]))
+    with torch.no_grad():
+        ours = target.lm_head(draft(emb, torch.arange(ctx, ctx + 8), taps, torch.arange(ctx)))
+        theirs = target.lm_head(ref(position_ids=torch.arange(ctx + 8)[None], noise_embedding=emb, target_hidden=taps))
+        full = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32, layer_types=None, sliding_window=None)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    # the window is honoured: the same weights with full layers draft differently
+    with torch.no_grad():
+        plain = target.lm_head(full.eval()(position_ids=torch.arange(ctx + 8)[None], noise_embedding=emb, target_hidden=taps))
+    assert not torch.allclose(plain, theirs, atol=1e-4)
+    again = json.loads((save_draft(draft, tmp_path / "e") / "config.json").read_text())
+    assert again["layer_types"] == ["sliding_attention", "full_attention"] and again["sliding_window"] == 5
+
+
+def test_a_sliding_window_drafter_decodes_losslessly(tmp_path):
+    from blockdraft.decoding import Engine, GenerationConfig
+
+    target, path = _sliding_drafter(tmp_path)
+    cfg = GenerationConfig(max_new_tokens=40, stop_token_ids=(), lookup=False, block_size=8)
+    prompt = list(range(3, 30))
+    assert Engine(target, load_draft(path)).generate(prompt, cfg).token_ids == Engine(target).generate(prompt, cfg).token_ids
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel"),
+    (dict(dflash_config=dict(mask_token_id=0, selector_rank=256)), "selector_rank"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
+    (dict(layer_types=["full_attention"]), "layer_types must list 2"),
+    (dict(layer_types=["linear_attention", "full_attention"]), "layer_types must list"),
+])
+def test_drafter_variants_it_cannot_run_are_refused(tmp_path, change, words):
+    from blockdraft.errors import BlockdraftError
+
+    target = tiny_target("llama")
+    save_draft(tiny_draft(target, layers=2), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    raw = {**json.loads(path.read_text()), **change}
+    raw.pop("sliding_window", None) if "sliding_window" in words else None
+    path.write_text(json.dumps(raw))
+    with pytest.raises(BlockdraftError, match=words):
+        load_draft(tmp_path / "d")
+
+
+def test_training_refuses_to_start_from_a_sliding_window_drafter(tmp_path):
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.warmstart import init_from_drafter
+
+    target, path = _sliding_drafter(tmp_path)
+    with pytest.raises(BlockdraftError, match="full bidirectional"):
+        init_from_drafter(tiny_draft(target, block_size=8, layers=2), str(path), None)

@@ -66,6 +66,7 @@ def test_weights_that_do_not_match_the_config(tmp_path, tgt):
     save_draft(tiny_draft(tgt, layers=2), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
+    cfg["layer_types"] = ["full_attention"] * 3  # a consistent config, weights of 2 layers
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(BlockdraftError, match="missing"):
         load_draft(tmp_path)
