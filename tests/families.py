@@ -49,6 +49,22 @@ def _config(family: str):
     if family == "glm4-moe":
         return tf.Glm4MoeConfig(**c, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 first_k_dense_replace=1, n_group=1, topk_group=1)
+    if family == "glm4-moe-lite":  # GLM-4.7-Flash: MLA attention, MoE
+        c["num_key_value_heads"] = 4
+        return tf.Glm4MoeLiteConfig(**c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                    qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)
+    if family == "gemma4":
+        return tf.Gemma4TextConfig(**c, head_dim=16, global_head_dim=16, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    if family == "minimax-m2":
+        return tf.MiniMaxM2Config(**c, head_dim=16, num_local_experts=2, num_experts_per_tok=1)
+    if family == "deepseek-v3.2":  # refused by the probe: sparse attention whose selection a block changes
+        c["num_key_value_heads"] = 4
+        return tf.DeepseekV32Config(**c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                    qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, index_topk=4,
+                                    index_n_heads=2, index_head_dim=16)
     if family == "phi3":
         return tf.Phi3Config(**c)
     if family == "olmo2":
@@ -84,11 +100,12 @@ def _config(family: str):
 # state or slide a window (the ones the sampled-distribution test also covers).
 SUPPORTED = ["llama", "llama3-rope", "qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2",
              "gpt-oss", "mistral-sliding", "gemma3", "deepseek-v3", "glm4-moe", "phi3", "olmo2", "falcon-h1",
-             "granite-hybrid", "nemotron-h"]
+             "granite-hybrid", "nemotron-h", "glm4-moe-lite", "gemma4", "minimax-m2"]
 STATEFUL = ["qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "falcon-h1", "granite-hybrid", "nemotron-h"]
-SLIDING = ["gpt-oss", "mistral-sliding", "gemma3"]
+SLIDING = ["gpt-oss", "mistral-sliding", "gemma3", "gemma4"]
 REFUSED = ["mamba"]  # refused when wrapped (no past_key_values)
-REFUSED_BY_PROBE = {"jamba": "differ from plain decoding", "minimax": "fails on it", "recurrent-gemma": "fails on it"}
+REFUSED_BY_PROBE = {"jamba": "differ from plain decoding", "minimax": "fails on it", "recurrent-gemma": "fails on it",
+                    "deepseek-v3.2": "differ from plain decoding"}
 
 
 def tiny_model(family: str, seed: int = 0):
