@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .draft import DraftConfig, DraftModel, init_scale_check
+from .draft import SCALED_ROPE_TYPES, DraftConfig, DraftModel, init_scale_check
 from .errors import BlockdraftError
 
 _REQUIRED = (
@@ -22,7 +22,7 @@ _REQUIRED = (
 
 
 def config_to_json(cfg: DraftConfig) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     out = {
         **cfg.extra,
         "architectures": ["DFlashDraftModel"],
@@ -96,11 +96,16 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     from .draft import default_target_layer_ids
 
     taps = dc.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
-    rope = raw.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise BlockdraftError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default",) + SCALED_ROPE_TYPES:
+        raise BlockdraftError(f"{where}: rope_type {rope_type!r} is not supported "
+                              f"(default, {', '.join(SCALED_ROPE_TYPES)})")
+    scaling = None
+    if rope_type != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
     layer_types, window = _layer_types(raw, n_layers, where)
-    known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal"}
+    known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal", "rope_scaling"}
     cfg = DraftConfig(
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -116,12 +121,20 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        rope_scaling=scaling,
         layer_types=layer_types,
         sliding_window=window,
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
         extra={k: v for k, v in raw.items() if k not in known},
     )
     init_scale_check(cfg)
+    if scaling is not None:
+        from .draft import scaled_rope
+
+        try:
+            scaled_rope(cfg, "cpu")
+        except (KeyError, TypeError, ValueError) as err:
+            raise BlockdraftError(f"{where}: bad {rope_type} RoPE parameters {scaling} ({err})") from err
     return cfg
 
 

@@ -46,6 +46,7 @@ class DraftConfig:
     # per layer "full_attention" (the DFlash default: the block sees all context and itself) or
     # "sliding_attention" (z-lab's later drafters: the last `sliding_window` positions, causal);
     # None: all full. `is_causal` overrides causality for every layer, as the reference reads it.
+    rope_scaling: dict | None = None  # the RoPE parameters of a scaled type (yarn, llama3, linear); None: default
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     is_causal: bool | None = None
@@ -76,15 +77,35 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")  # static in the position; dynamic / longrope are not
+
+
+def scaled_rope(cfg: "DraftConfig", device) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the cos/sin factor of a scaled RoPE (e.g. the YaRN of z-lab's
+    Kimi-K2.5 drafter), computed by transformers' own RoPE functions, as the reference's
+    `Qwen3RotaryEmbedding` computes them."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                     num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters={**cfg.rope_scaling, "rope_theta": cfg.rope_theta})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, device)
+    return inv_freq.float(), float(factor)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype, scaling=None) -> tuple:
     """cos/sin tables for absolute positions [T] -> [T, D], or per sequence [B, T] -> [B, 1, T, D]
-    (the default RoPE of Llama/Qwen)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    (the default RoPE of Llama/Qwen; `scaling`: (inv_freq, factor) of a scaled one)."""
+    if scaling is None:
+        inv_freq, factor = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)), 1.0
+    else:
+        inv_freq, factor = scaling[0].to(positions.device), scaling[1]
     freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
     if emb.dim() == 3:
         emb = emb[:, None]  # [B, 1, T, D]: broadcast over heads
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
@@ -210,6 +231,7 @@ class DraftModel(nn.Module):
         # the draft vocabulary subset (vocab.py), sorted target ids; None: the full vocabulary
         self.vocab_ids: torch.Tensor | None = None
         self._subset_head = None  # ((the target head's weight, dtype, subset), its SubsetHead), made on first use
+        self._rope_scaling = None  # (inv_freq, factor) of a scaled RoPE, made on first use
 
     @staticmethod
     def _init_weights(module):
@@ -243,7 +265,9 @@ class DraftModel(nn.Module):
         return self._subset_head[1]
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple:
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        if self.cfg.rope_scaling is not None and self._rope_scaling is None:
+            self._rope_scaling = scaled_rope(self.cfg, positions.device)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype, self._rope_scaling)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Context features c [B, T, H] from concatenated target taps [B, T, K*H]."""
@@ -337,6 +361,10 @@ def build_draft_config(
     if "full_attention" in rope:  # per layer type (Gemma-3): the draft's layers are full attention
         rope = rope["full_attention"] or {}
     theta = rope.get("rope_theta", None) or getattr(t, "rope_theta", None) or 10000.0
+    # a scaled RoPE (LLaMA-3.1's llama3, DeepSeek-V3 / Kimi-K2.5's YaRN) is the draft's too, as in
+    # z-lab's Kimi-K2.5 drafter
+    kind = rope.get("rope_type", "default")
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if kind in SCALED_ROPE_TYPES else None
     return DraftConfig(
         hidden_size=int(t.hidden_size),
         intermediate_size=int(t.intermediate_size),
@@ -352,6 +380,7 @@ def build_draft_config(
         rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
+        rope_scaling=scaling,
     )
 
 

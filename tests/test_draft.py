@@ -154,3 +154,61 @@ def test_training_refuses_to_start_from_a_sliding_window_drafter(tmp_path):
     target, path = _sliding_drafter(tmp_path)
     with pytest.raises(BlockdraftError, match="full bidirectional"):
         init_from_drafter(tiny_draft(target, block_size=8, layers=2), str(path), None)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0),  # Kimi-K2.5's kind
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
+])
+def test_scaled_rope_drafters_agree_with_the_reference(tmp_path, rope):
+    """z-lab's Kimi-K2.5 drafter carries a YaRN RoPE; scaled RoPEs load and draft as the reference does."""
+    pytest.importorskip("dflash")
+    from dflash.model import DFlashDraftModel
+
+    target = tiny_target("llama")
+    save_draft(tiny_draft(target, block_size=8, layers=2), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    raw = json.loads(path.read_text())
+    raw["rope_parameters"] = {**rope, "rope_theta": raw["rope_theta"]}
+    path.write_text(json.dumps(raw))
+    draft = load_draft(tmp_path / "d")
+    assert draft.cfg.rope_scaling["rope_type"] == rope["rope_type"]
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path / "d"), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    ctx = 40  # past the original context, where the scaling matters
+    taps = torch.randn(1, ctx, 3 * 64)
+    emb = target.embed_tokens(torch.tensor([[5] + [draft.cfg.mask_token_id] * 7]))
+    with torch.no_grad():
+        ours = target.lm_head(draft(emb, torch.arange(ctx, ctx + 8), taps, torch.arange(ctx)))
+        theirs = target.lm_head(ref(position_ids=torch.arange(ctx + 8)[None], noise_embedding=emb, target_hidden=taps))
+        plain = target.lm_head(load_draft_plain(tmp_path)(emb, torch.arange(ctx, ctx + 8), taps, torch.arange(ctx)))
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain, ours, atol=1e-4)  # the scaling is applied, not ignored
+    again = json.loads((save_draft(draft, tmp_path / "e") / "config.json").read_text())
+    assert again["rope_parameters"]["rope_type"] == rope["rope_type"] and again["rope_parameters"]["factor"] == 8.0
+
+
+def load_draft_plain(tmp_path):
+    """The same weights with the default RoPE."""
+    import shutil
+
+    shutil.copytree(tmp_path / "d", tmp_path / "plain")
+    path = tmp_path / "plain" / "config.json"
+    raw = json.loads(path.read_text())
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
+    path.write_text(json.dumps(raw))
+    return load_draft(tmp_path / "plain")
+
+
+def test_unsupported_or_broken_rope_is_refused(tmp_path):
+    from blockdraft.errors import BlockdraftError
+
+    target = tiny_target("llama")
+    save_draft(tiny_draft(target, layers=2), tmp_path / "d")
+    path = tmp_path / "d" / "config.json"
+    raw = json.loads(path.read_text())
+    for rope, words in ((dict(rope_type="dynamic", factor=2.0), "not supported"), (dict(rope_type="yarn"), "bad yarn")):
+        raw["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+        path.write_text(json.dumps(raw))
+        with pytest.raises(BlockdraftError, match=words):
+            load_draft(tmp_path / "d")

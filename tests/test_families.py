@@ -185,3 +185,27 @@ def test_drafter_geometry_follows_mla_heads_and_per_type_rope():
     assert cfg.num_kv_heads == 4  # grouped K/V heads dividing the query heads (8 at Kimi-K2.5's 64)
     gemma = tiny_model("gemma3").config
     assert build_draft_config(gemma).rope_theta == gemma.rope_parameters["full_attention"]["rope_theta"]
+
+
+def test_a_kimi_k25_drafter_has_z_labs_size():
+    """Kimi-K2.5's geometry (DeepSeek-V3 MLA, hidden 7168, 64 heads, value heads of 128, YaRN):
+    6 layers and 6 taps give z-lab's Kimi-K2.5-DFlash exactly, 3.48B parameters (6.48 GiB in bf16),
+    with the target's YaRN RoPE and the taps it publishes."""
+    import transformers as tf
+
+    from blockdraft.draft import DraftModel, build_draft_config
+
+    kimi = tf.DeepseekV3Config(hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                               num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, kv_lora_rank=512,
+                               q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                               max_position_embeddings=262144,
+                               rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=64.0,
+                                                    original_max_position_embeddings=4096, mscale=1.0,
+                                                    mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
+    cfg = build_draft_config(kimi, num_layers=6, block_size=8, num_taps=6)
+    assert cfg.target_layer_ids == [1, 12, 24, 35, 47, 58]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 8, 128)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 64.0
+    with torch.device("meta"):
+        n = DraftModel(cfg).num_parameters()
+    assert round(n * 2 / 2**30, 2) == 6.48
