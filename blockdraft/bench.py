@@ -44,18 +44,24 @@ class MethodSpec:
     keep: float | None = None  # oracle only: probability each proposal is kept
     block_size: int | None = None  # dflash / oracle only: a fixed block for this method
     lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
+    tree_budget: int | None = None  # `+treeN`: verify a token tree of N nodes instead of a chain (tree.py)
 
 
 def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
     """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash` -> MethodSpec("dflash",
     lookup=True) (the engine's default), `dflash-lookup` -> the drafter alone, `ar+lookup` -> plain
     decoding plus prompt lookup; a BlockdraftError for anything unknown."""
-    head, block = method, None
+    head, block, tree = method, None, None
     if ":" in method:
         head, tail = method.split(":", 1)
         if not tail.isdigit() or int(tail) < 1:
             raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
         block = int(tail)
+    if "+tree" in head:
+        head, n = head.split("+tree", 1)
+        if not n.isdigit() or not 1 <= int(n) <= 256:
+            raise BlockdraftError(f"{method!r}: '+treeN' needs a node budget N in [1, 256]")
+        tree = int(n)
     lookup = None  # the method's default: on for dflash (as the engine ships), off for the rest
     for suffix, value in (("+lookup", True), ("-lookup", False)):
         if head.endswith(suffix):
@@ -78,9 +84,11 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
     if lookup is not None and name not in ("dflash", "ar"):
         raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
+    if tree is not None and name not in ("dflash", "oracle"):
+        raise BlockdraftError(f"{method!r}: only dflash and oracle take '+treeN'")
     if name == "oracle" and keep is None:
         keep = default_keep
-    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup)
+    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree)
 
 
 def check_methods(methods) -> tuple[str, ...]:
@@ -230,7 +238,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     oracles = [m for m in methods if specs[m].name == "oracle"]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, lookup=False,
                            sampling=SamplingParams(temperature=temperature, seed=0))
-    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup) for m in methods}
+    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup,
+                       tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
     if "hf-assisted" in methods and assistant is None:

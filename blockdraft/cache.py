@@ -8,9 +8,10 @@ classes, read from the model's own `DynamicCache`, never from a list of model na
   record their whole past during a forward (`activate_past_recording`) and are cut back to the
   window after it, so a window that slides inside a block is still exact.
 - linear-attention state (Gated DeltaNet, Mamba, short convolutions: Qwen3.5, Qwen3-Next, LFM2,
-  ...): a recurrent state holds no positions to cut. Before the verify forward the state is kept
-  (`snapshot`); after a partial acceptance it is put back and the accepted tokens are run again
-  (`Target.rollback` replays them), which leaves it exactly where plain decoding would have it.
+  ...): a recurrent state holds no positions to cut. Before every forward the state is kept
+  (`snapshot`); after a partial acceptance it is put back and the accepted tokens wait in the
+  `TargetCache` to run in front of the next forward's own, which leaves the state exactly where
+  plain decoding would have it, without a replay forward of their own.
 
 Any other layer class (or a model that takes no `past_key_values`) is refused when the engine is
 built (`check_rollback`), naming the family and the layer: never run, never silently wrong.
@@ -89,6 +90,27 @@ class StateSnapshot:
     recurrent: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass
+class TargetCache:
+    """The target's cache as the engine holds it: transformers' own cache (`kv`) and, for a hybrid
+    target after a partial acceptance, the accepted tokens that its recurrent state has not taken
+    in yet (`pending` [1, P]). The next forward runs them first, in front of its own tokens, so the
+    replay costs no forward of its own (`Target.forward` / `Target.rollback`)."""
+
+    kv: object  # transformers' DynamicCache
+    pending: torch.Tensor | None = None  # [1, P] token ids, committed, not yet in `kv`
+    ran: torch.Tensor | None = None  # [1, T] every token the last forward ran (pending ones first)
+    snap: StateSnapshot | None = None  # the recurrent states before the last forward
+
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else self.pending.shape[1]
+
+    def get_seq_length(self) -> int:
+        """Tokens committed to the cache, pending ones included."""
+        return self.kv.get_seq_length() + self.num_pending
+
+
 def snapshot(cache) -> StateSnapshot | None:
     """Keep the recurrent and convolution states (None when the cache has none: attention only).
     Recurrent states are updated in place, so they are copied; convolution states are replaced by a
@@ -142,6 +164,26 @@ def crop(cache, length: int) -> None:
             layer.crop(-remove)  # negative: remove that many (0 trims a sliding layer to its window)
 
 
+def tree_capable(kv) -> bool:
+    """Whether every layer is plain attention K/V (what `keep_positions` can compact)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = kv.layers or [DynamicLayer()]
+    return all(type(layer) is DynamicLayer for layer in layers)
+
+
+def keep_positions(kv, start: int, keep: list[int]) -> None:
+    """Keep the first `start` tokens of every layer's K/V and, after them, the entries `keep`
+    (indices past `start`, in order): a verified tree's accepted path. Plain attention layers only
+    (`layer_kinds` all "attention"; a tree is refused for other caches)."""
+    idx = torch.tensor(keep, dtype=torch.long)
+    for layer in kv.layers:
+        k, v = layer.keys, layer.values  # [B, H, T, D]
+        i = (start + idx).to(k.device)
+        layer.keys = torch.cat([k[:, :, :start], k.index_select(2, i)], dim=2)
+        layer.values = torch.cat([v[:, :, :start], v.index_select(2, i)], dim=2)
+
+
 @torch.inference_mode()
 def probe_rollback(target) -> float:
     """How far a speculative step's logits stray from plain decoding's, on a few fixed tokens:
@@ -165,9 +207,8 @@ def probe_rollback(target) -> float:
         target.rollback(cache, cache.get_seq_length())
     cache = start()
     block = torch.tensor([kept[:2] + junk], device=target.device)  # [1, 4]: two kept, two rejected
-    snap = target.snapshot(cache)
     first = target.forward(block, cache).logits[0, :2]
-    target.rollback(cache, len(prefix) + 2, snap, block)
+    target.rollback(cache, len(prefix) + 2)
     second = target.forward(torch.tensor([kept[2:]], device=target.device), cache).logits[0]
     want, got = torch.stack(plain).float(), torch.cat([first, second]).float()
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))

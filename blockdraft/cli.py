@@ -80,7 +80,7 @@ def cmd_generate(
     target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
     block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = True,
-    dtype: str = "auto", draft_dtype: str = "auto",
+    dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None,
 ) -> None:
     from .decoding import GenerationConfig, GenerationStats, TextStream
     from .verify import SamplingParams
@@ -88,7 +88,7 @@ def cmd_generate(
     rows = read_prompts(prompt, prompts_file)
     base = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed).validate(),
-        block_size=block_size, stop_strings=tuple(stop), lookup=lookup,
+        block_size=block_size, stop_strings=tuple(stop), lookup=lookup, tree_budget=tree,
     )
     engine = load_engine(target, draft, device, dtype, draft_dtype)
     tgt = engine.target
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    g.add_argument("--tree", type=int, default=None, metavar="N",
+                   help="verify a token tree of N nodes per step instead of a chain (greedy only)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_lookup_arg(g)
     _add_dtype_args(g)
@@ -411,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
                    help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
-                        "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16)")
+                        "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "
+                        "+treeN verifies a token tree of N nodes (dflash-lookup+tree16:16; greedy)")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)

@@ -21,6 +21,8 @@ from .errors import BlockdraftError
 from .kernels import prepack
 from .lookup import lookup_proposals
 from .target import Target, TargetOutput
+from .tree import TreeRates, build_tree, verify_tree_greedy
+from .text import TextStream, cut_at_stop_string, decode_text  # noqa: F401  (TextStream: re-exported)
 from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampled
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
@@ -36,6 +38,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
     lookup: bool = True  # also propose prompt-lookup continuations (lookup.py) where they pay
+    tree_budget: int | None = None  # verify a token tree of this many nodes (tree.py; greedy) instead of a chain
 
 
 @dataclass
@@ -171,6 +174,14 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
         raise BlockdraftError(f"block_size must be in [1, 256] (got {config.block_size})")
     if config.proposal not in ("sample", "greedy"):
         raise BlockdraftError(f"proposal must be 'sample' or 'greedy' (got {config.proposal!r})")
+    if config.tree_budget is not None:
+        if not 1 <= config.tree_budget <= 256:
+            raise BlockdraftError(f"tree_budget must be in [1, 256] (got {config.tree_budget})")
+        if not config.sampling.greedy:
+            raise BlockdraftError("tree verification is greedy only (temperature 0) so far")
+        if not target.supports_trees:
+            raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
+                                  f"{target.name!r} has {sorted(set(target.cache_kinds))}")
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise BlockdraftError(f"prompt token ids {bad[:5]} are outside the vocabulary of {target.vocab_size}")
@@ -205,7 +216,8 @@ def decode_steps(
     # seed could give different text (the draws would fall differently), so a seed fixes B.
     reproducible = not params.greedy and params.seed is not None
     policies = policies if policies is not None else {}
-    if draft is not None and config.block_size is None and config.adaptive and not reproducible:
+    tree_rates = TreeRates() if config.tree_budget is not None else None  # learned per request
+    if draft is not None and config.block_size is None and config.adaptive and not reproducible and tree_rates is None:
         policy = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
     lookup_block = (config.block_size or LOOKUP_BLOCK) if config.lookup else 1
     # Lookup proposals are free, but verifying them is not: a policy per matched n-gram length
@@ -240,7 +252,7 @@ def decode_steps(
         times = stats.step_seconds
         times.mark = t_step
         room = min(budget - len(stopper.generated) + 1, target.max_context - position)  # largest block
-        drafts = q = lookup_policy = None
+        drafts = q = lookup_policy = tree = None
         looked_up = []
         found = lookup_proposals(prompt_ids + stopper.generated, min(lookup_block, room) - 1) if config.lookup else None
         if found:
@@ -266,28 +278,40 @@ def decode_steps(
                     target.embed_tokens, draft.head_for(target.lm_head), draft_cache,
                     torch.cat(pending_taps, dim=1), anchor, position, block,
                 )
-                drafts, q = propose(draft_logits, config, gen)
+                if tree_rates is not None:  # a token tree from the same forward; node 0 is the anchor
+                    tree = build_tree(draft_logits, anchor, config.tree_budget, tree_rates)
+                    drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
+                else:
+                    drafts, q = propose(draft_logits, config, gen)
         times.lap("draft", clock())
-        # 3. Verify: one target forward over [anchor, drafts] (a recurrent state is kept first,
-        #    as it cannot be cut back like K/V; None for attention-only targets).
-        snap = target.snapshot(cache)
+        # 3. Verify: one target forward over [anchor, drafts] (or the tree's nodes).
         block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
         if drafts is not None:
             block_ids = torch.cat([block_ids, drafts[None]], dim=1)  # [1, block]
-        out = target.forward(block_ids, cache, taps)
+        out = target.forward(block_ids, cache, taps, tree=tree)
         times.lap("target", clock())
+        path = None  # a tree's accepted nodes
         if drafts is None:
             accepted, next_token = 0, _choose(out.rows(0, 1)[0], params, gen)
+        elif tree is not None:
+            verdict = verify_tree_greedy(tree, lambda i: out.rows(i, i + 1)[0].argmax())
+            accepted, next_token, path = verdict.num_accepted, verdict.next_token, verdict.path
+            tree_rates.update(tree, path)
         else:
             verdict = verify_block(out, drafts, q, config, gen)
             accepted, next_token = verdict.num_accepted, verdict.next_token
         times.lap("verify", clock())
         # 4. Commit the anchor and accepted drafts; roll the target cache back past rejected
-        #    drafts. Their taps become draft context; the new token is the next anchor.
-        committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
-        target.rollback(cache, position + 1 + accepted, snap, block_ids)
+        #    drafts (a hybrid target's recurrent state takes the kept ones in with the next
+        #    forward). Their taps become draft context; the new token is the next anchor.
+        if path is not None:  # the cache keeps the accepted path's entries only
+            committed = [tree.tokens[i] for i in path[1:]] + [next_token]
+            target.keep_path(cache, position, path)
+        else:
+            committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
+            target.rollback(cache, position + 1 + accepted)
         if taps:
-            new_taps = out.taps[:, : 1 + accepted]
+            new_taps = out.taps[:, path] if path is not None else out.taps[:, : 1 + accepted]
             # a step that ran no draft forward (plain or lookup) left earlier pending context pending
             ran_draft = drafts is not None and not looked_up
             pending_taps = [new_taps] if ran_draft else pending_taps + [new_taps]
@@ -304,11 +328,11 @@ def decode_steps(
         emitted = stopper.clip(committed)
         stats.lookup_steps += bool(looked_up)
         stats.acceptance_lengths.append(len(emitted))
-        stats.drafted += block - 1
+        stats.drafted += block_ids.shape[1] - 1  # tokens verified besides the anchor (a tree's nodes)
         stats.accepted += accepted
         stats.decode_seconds = clock() - t0
         times.lap("commit", clock())
-        yield Step(emitted, block - 1, accepted)
+        yield Step(emitted, block_ids.shape[1] - 1, accepted)
     stats.finish_reason = stopper.finish_reason
 
 
@@ -343,50 +367,3 @@ class Engine:
         tok = self.target.tokenizer
         text = decode_text(tok, tokens, config.stop_strings) if tok is not None else ""
         return GenerationResult(tokens, text, stats.finish_reason or "length", stats)
-
-
-def cut_at_stop_string(text: str, stop_strings) -> str:
-    cuts = [text.find(s) for s in stop_strings if s and s in text]
-    return text[: min(cuts)] if cuts else text
-
-
-def decode_text(tokenizer, tokens: list[int], stop_strings) -> str:
-    """The text of generated tokens as the user sees it: special tokens dropped, cut at a stop string."""
-    return cut_at_stop_string(tokenizer.decode(tokens, skip_special_tokens=True), stop_strings)
-
-
-class TextStream:
-    """Incremental detokenisation for streaming: `push` returns only text that can no longer
-    change. It holds back an incomplete multi-byte character and any tail that could still grow
-    into a stop string; `finish` returns the rest. The pieces join to exactly `generate`'s text."""
-
-    def __init__(self, tokenizer, stop_strings=()):
-        self.tokenizer = tokenizer
-        self.stop_strings = [s for s in stop_strings if s]
-        self.tokens: list[int] = []
-        self.shown = ""
-
-    @property
-    def text(self) -> str:
-        return decode_text(self.tokenizer, self.tokens, self.stop_strings)
-
-    def push(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        text = self.text
-        end = len(text.rstrip("\ufffd"))
-        hold = 0  # a tail that is a proper prefix of a stop string waits for the next tokens
-        for stop in self.stop_strings:
-            for k in range(min(len(stop) - 1, end), 0, -1):
-                if text.endswith(stop[:k], 0, end):
-                    hold = max(hold, k)
-                    break
-        return self._emit(text[: end - hold])
-
-    def finish(self) -> str:
-        return self._emit(self.text)
-
-    def _emit(self, text: str) -> str:
-        if len(text) <= len(self.shown) or not text.startswith(self.shown):
-            return ""
-        delta, self.shown = text[len(self.shown):], text
-        return delta

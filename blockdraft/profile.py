@@ -4,7 +4,7 @@ judged by. `blockdraft bench` reports it beside the per-method phase times of th
 
 Parts: the target forward's body (decoder layers, taps) over b new tokens after a context, its LM
 head over r rows, the cache rollback after a verify that kept only its anchor (for a
-hybrid target: the recurrent state restored and the anchor run again); the draft's context projection of n new
+hybrid target: the recurrent state restored; the anchor then runs with the next forward); the draft's context projection of n new
 positions, its layers over a block of b, and its head over b-1 rows. Medians of `repeats`.
 """
 
@@ -58,14 +58,13 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
     ids = torch.zeros(1, big, dtype=torch.long, device=dev)
 
     def rollback_only():
-        # the commonest step: the anchor kept, every draft rejected (a recurrent state is restored
-        # and the anchor run again; attention K/V are cut)
-        snap = target.snapshot(cache)
+        # the commonest step: the anchor kept, every draft rejected (attention K/V are cut; a
+        # recurrent state is restored, and the anchor waits for the next forward)
         target.forward(ids, cache, taps)
         t0 = time.perf_counter()
-        target.rollback(cache, n + 1, snap, ids)
+        target.rollback(cache, n + 1)
         seconds = time.perf_counter() - t0
-        target.rollback(cache, n, snap)
+        target.rollback(cache, n)
         return seconds
 
     report["cache_rollback"] = round(1e3 * sorted(rollback_only() for _ in range(repeats))[repeats // 2], 3)

@@ -24,10 +24,11 @@ from typing import Callable
 
 import torch
 
-from .cache import StateSnapshot, check_rollback, crop, probe_rollback, restore, snapshot
+from .cache import TargetCache, check_rollback, crop, keep_positions, probe_rollback, restore, snapshot, tree_capable
 from .errors import BlockdraftError
 from .kernels import prepack
 
+MAX_PENDING = 16  # hybrid targets: more pending tokens than this run in a forward of their own
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's vocabulary has no unused row, so the draft's mask token reuses a special token that
@@ -92,8 +93,10 @@ class Target:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self._head_splits: bool | None = None
         # what each cache layer holds ("attention", "sliding", "state", ...); refuses what cannot roll back
-        self.cache_kinds = check_rollback(model, self.new_cache())
+        self.cache_kinds = check_rollback(model, self.new_kv_cache())
+        self.max_pending = MAX_PENDING  # accepted tokens a hybrid target defers to its next forward
         self._has_state = any(k.startswith("state") for k in self.cache_kinds)
+        self._tree_capable = tree_capable(self.new_kv_cache())
         self._exact = False  # whether `check_exact` passed
         if packed:  # prepacked oneDNN linear layers on the CPU (kernels.py); elsewhere a no-op
             prepack(self.model)
@@ -126,16 +129,21 @@ class Target:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
-    def new_cache(self):
+    def new_kv_cache(self):
+        """transformers' own cache for this model, recording its past so that sliding-window and
+        convolution layers can roll back."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
         if hasattr(cache, "activate_past_recording"):
-            cache.activate_past_recording()  # sliding-window layers must be able to roll back
+            cache.activate_past_recording()
         return cache
 
+    def new_cache(self) -> TargetCache:
+        return TargetCache(self.new_kv_cache())
+
     @staticmethod
-    def cache_length(cache) -> int:
+    def cache_length(cache: TargetCache) -> int:
         return cache.get_seq_length()
 
     @property
@@ -143,25 +151,45 @@ class Target:
         """Whether some layers hold a recurrent or convolution state (hybrid linear attention)."""
         return self._has_state
 
-    def snapshot(self, cache) -> StateSnapshot | None:
-        """What `rollback` needs to undo the next forward: the recurrent states (None when the
-        model has none, as attention K/V are simply cut)."""
-        return snapshot(cache) if self.has_state else None
+    @torch.inference_mode()
+    def rollback(self, cache: TargetCache, length: int) -> None:
+        """Take the cache back to its first `length` tokens, after a forward whose block was not
+        all accepted (or to trim what a forward recorded: `length` = all of it). Attention K/V are
+        cut. A recurrent state cannot be cut: the snapshot taken before the forward is put back and
+        the kept tokens wait as `pending`, to run in front of the next forward's own (or now, once
+        more than `max_pending` wait)."""
+        kv, snap, cache.snap = cache.kv, cache.snap, None
+        if snap is None or length == kv.get_seq_length():
+            held = kv.get_seq_length()
+            if self.has_state and length < held:
+                raise ValueError(f"a recurrent state cannot be cut from {held} to {length} tokens "
+                                 "without the snapshot of the forward that made it")
+            if cache.pending is not None:
+                cache.pending = cache.pending[:, : length - held] if length > held else None
+            crop(kv, min(length, held))  # also trims the past a forward recorded
+            return
+        crop(kv, snap.length)
+        restore(kv, snap)
+        keep = length - snap.length
+        cache.pending = cache.ran[:, :keep] if keep > 0 else None
+        if cache.num_pending > self.max_pending:
+            self.flush(cache)
+
+    @property
+    def supports_trees(self) -> bool:
+        """Whether a tree's off-path entries can be compacted away: plain attention K/V only."""
+        return self._tree_capable
+
+    def keep_path(self, cache: TargetCache, start: int, path: list[int]) -> None:
+        """After a tree forward from `start` tokens: keep only the nodes `path` (root first)."""
+        keep_positions(cache.kv, start, path)
 
     @torch.inference_mode()
-    def rollback(self, cache, length: int, snap: StateSnapshot | None = None,
-                 block_ids: torch.Tensor | None = None) -> None:
-        """Take the cache back to its first `length` tokens after the forward of `block_ids`
-        [1, T] that started at `snap.length`. Attention K/V are cut; a recurrent state cannot be
-        cut, so a partial acceptance puts the snapshot back and runs the kept tokens again."""
-        if snap is None or length == cache.get_seq_length():
-            crop(cache, length)
-            return
-        crop(cache, snap.length)
-        restore(cache, snap)
-        if length > snap.length:
-            self.forward(block_ids[:, : length - snap.length], cache, logits_at=1)  # the head is never read
-            crop(cache, length)  # trims the convolution past the replay recorded
+    def flush(self, cache: TargetCache) -> None:
+        """Run the pending tokens into the cache now (a forward of their own)."""
+        if cache.pending is not None:
+            self.forward(cache.pending[:, :0], cache, logits_at=1)  # the head is never read
+            self.rollback(cache, cache.get_seq_length())  # nothing to undo: trims the recorded past
 
     def check_exact(self) -> None:
         """Refuse (BlockdraftError) a target on which a speculative step would not reproduce plain
@@ -210,28 +238,42 @@ class Target:
         cache,
         tap_layer_ids: list[int] | None = None,
         logits_at: int | None = None,
+        tree=None,
     ) -> TargetOutput:
-        """Run `input_ids` at the positions right after what `cache` holds.
+        """Run `input_ids` at the positions right after what `cache` holds (a hybrid target's
+        pending tokens first, see `rollback`; their rows are not returned).
 
         logits_at: None to keep all T positions, an int n for the last n. The LM head runs when the
-        output's `logits` or `rows` are read, on those rows only.
+        output's `logits` or `rows` are read, on those rows only. tree: `input_ids` are a token
+        tree's nodes (tree.py), each at the position of its depth, seeing the cache and its ancestors.
         """
-        start = cache.get_seq_length()
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        args = dict(input_ids=input_ids, position_ids=positions[None].expand(input_ids.shape[0], -1),
-                    past_key_values=cache, use_cache=True, output_hidden_states=bool(tap_layer_ids))
+        n = input_ids.shape[1]
+        ids, pending = input_ids, cache.num_pending
+        if pending:
+            ids = torch.cat([cache.pending.to(ids.device).expand(ids.shape[0], -1), ids], dim=1)  # [B, P + T]
+            cache.pending = None
+        if self.has_state:  # what `rollback` needs to undo this forward
+            cache.snap, cache.ran = snapshot(cache.kv), ids
+        keep = logits_at if logits_at is not None else n
+        start = cache.kv.get_seq_length()
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        args = dict(input_ids=ids, position_ids=positions[None].expand(ids.shape[0], -1),
+                    past_key_values=cache.kv, use_cache=True, output_hidden_states=bool(tap_layer_ids))
+        if tree is not None:
+            seen = torch.ones(len(tree), start, dtype=torch.bool)
+            mask = torch.cat([seen, tree.attention_mask()], dim=1).to(ids.device)  # [N, start + N]
+            args.update(attention_mask=mask[None, None],
+                        position_ids=start + torch.tensor([tree.depths], device=ids.device))
         if self.head_splits:
             out = self.model.base_model(**args)
-            hidden, logits = out.last_hidden_state, None
-            if logits_at is not None:
-                hidden = hidden[:, -logits_at:]
+            hidden, logits = out.last_hidden_state[:, -keep:] if keep else out.last_hidden_state[:, :0], None
         else:
-            out = self.model(**args, logits_to_keep=logits_at or 0)
-            hidden, logits = None, out.logits
+            out = self.model(**args, logits_to_keep=max(keep, 1))
+            hidden, logits = None, out.logits[:, out.logits.shape[1] - keep:]
         taps = None
         if tap_layer_ids:
             # hidden_states[0] is the embedding output; decoder layer i's output is [i + 1].
-            taps = torch.cat([out.hidden_states[i + 1] for i in tap_layer_ids], dim=-1)
+            taps = torch.cat([out.hidden_states[i + 1][:, pending:] for i in tap_layer_ids], dim=-1)
         return TargetOutput(hidden=hidden, taps=taps, head=self.lm_head, full_logits=logits)
 
     @torch.inference_mode()

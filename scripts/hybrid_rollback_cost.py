@@ -1,7 +1,9 @@
-"""What exact rollback costs on a hybrid (Gated DeltaNet) target on this machine: the step profile
-of a random Qwen3.5 with SmolLM2-135M's geometry (hidden 576, 30 layers, 3 of 4 linear attention)
-beside the same model with full attention everywhere. A rollback after a partial acceptance
-restores the recurrent state and runs the kept tokens again (cache.py); for attention K/V it is a cut.
+"""What exact rollback costs on a hybrid (Gated DeltaNet) target on this machine: a random Qwen3.5
+with SmolLM2-135M's geometry (hidden 576, 30 layers, 22 of them linear attention) beside the same
+model with attention everywhere. First the step profile of each; then greedy decoding with an
+oracle drafter (each proposal the target's own token with p=0.7; the real draft forward) at block
+8, the kept tokens of a partly accepted block either run in a forward of their own at once
+(max_pending 0) or in front of the next forward's own (the default), against plain decoding.
 
     .venv/bin/python scripts/hybrid_rollback_cost.py
 """
@@ -9,9 +11,11 @@ restores the recurrent state and runs the kept tokens again (cache.py); for atte
 import torch
 import transformers as tf
 
+from blockdraft.decoding import Engine, GenerationConfig
 from blockdraft.draft import DraftModel, build_draft_config
-from blockdraft.profile import format_profile, profile_step, timed
-from blockdraft.target import Target
+from blockdraft.oracle import OracleDraft
+from blockdraft.profile import format_profile, profile_step
+from blockdraft.target import MAX_PENDING, Target
 
 GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
@@ -21,33 +25,37 @@ GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_h
 def model(hybrid: bool) -> Target:
     kinds = ["linear_attention"] * 3 + ["full_attention"] if hybrid else ["full_attention"] * 4
     torch.manual_seed(0)
-    cfg = tf.Qwen3_5TextConfig(**GEOMETRY, layer_types=kinds * 7 + kinds[:2], tie_word_embeddings=True)
+    cfg = tf.Qwen3_5TextConfig(**GEOMETRY, layer_types=kinds * 7 + kinds[:2], tie_word_embeddings=True,
+                               eos_token_id=None, bos_token_id=None, pad_token_id=None)
     return Target(tf.Qwen3_5ForCausalLM(cfg).float().eval(), None, name="hybrid" if hybrid else "attention")
 
 
-@torch.inference_mode()
-def replay_costs(target: Target, context: list[int], block: int = 16) -> dict:
-    """ms of a rollback that keeps k of a block's tokens (the replay grows with k)."""
-    cache = target.new_cache()
-    target.forward(torch.tensor([context]), cache, logits_at=1)
-    n, ids, out = len(context), torch.zeros(1, block, dtype=torch.long), {}
-    for keep in (1, 2, 4, 8, block):
-        def step(keep=keep):
-            snap = target.snapshot(cache)
-            target.forward(ids, cache)
-            target.rollback(cache, n + keep, snap, ids)
-            target.rollback(cache, n, snap)
-        forward_only = timed(lambda: (target.forward(ids, cache), target.rollback(cache, n)), target.device, 5)
-        out[keep] = round(1e3 * (timed(step, target.device, 5) - forward_only), 2)
-    return out
+def decode(engine: Engine, prompt: list[int], block: int | None, n: int):
+    cfg = GenerationConfig(max_new_tokens=n, block_size=block, stop_token_ids=(), lookup=False, adaptive=False)
+    result = engine.generate(prompt, cfg)
+    return result.token_ids, (n - 1) / result.stats.decode_seconds, result.stats.tau
 
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    context = list(range(100, 356))  # 256 tokens
+    context, n, block, rounds = list(range(100, 356)), 48, 8, 3  # a 256-token prompt
     for hybrid in (False, True):
         target = model(hybrid)
         draft = DraftModel(build_draft_config(target.config, num_layers=3, block_size=16, mask_token_id=0)).eval()
         print(f"== {target.name}: {', '.join(sorted(set(target.cache_kinds)))}")
-        print(format_profile(profile_step(target, draft, context, blocks=(1, 2, 4, 16), repeats=5)))
-        print("rollback ms by tokens kept of 16:", replay_costs(target, context))
+        print(format_profile(profile_step(target, draft, context, blocks=(1, 2, 4, 8, 16), repeats=5)))
+        plain = decode(Engine(target), context, None, n)[0]
+        rates: dict = {"plain": [], 0: [], MAX_PENDING: []}
+        for _ in range(rounds):  # interleaved, so that the machine's drift hits every method alike
+            rates["plain"].append(decode(Engine(target), context, None, n)[1])
+            for max_pending in (0, MAX_PENDING):
+                target.max_pending = max_pending
+                oracle = OracleDraft(draft, plain, len(context), 0.7, seed=1)
+                tokens, rate, tau = decode(Engine(target, oracle), context, block, n)
+                assert tokens == plain
+                rates[max_pending].append(rate)
+        median = {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+        print(f"plain decoding: {median['plain']:.2f} tok/s (median of {rounds}, interleaved)")
+        for max_pending in (0, MAX_PENDING):
+            print(f"oracle@0.7 block {block}, max_pending {max_pending:>2}: {median[max_pending]:.2f} tok/s, "
+                  f"tau {tau:.2f}, {median[max_pending] / median['plain']:.2f}x plain (output identical)")

@@ -115,6 +115,11 @@ def test_method_specs_parse():
     assert bench.parse_method("hf-pld") == bench.MethodSpec("hf-pld")
     assert bench.parse_method("ar") == bench.MethodSpec("ar", lookup=False)  # plain decoding
     assert bench.parse_method("ar+lookup") == bench.MethodSpec("ar", lookup=True)
+    assert bench.parse_method("dflash-lookup+tree16:16") == bench.MethodSpec("dflash", None, 16, False, 16)
+    assert bench.parse_method("oracle@0.5+tree8") == bench.MethodSpec("oracle", 0.5, None, False, 8)
+    for bad in ("dflash+tree0", "dflash+treex", "ar+tree8"):
+        with pytest.raises(BlockdraftError, match="tree"):
+            bench.parse_method(bad)
 
 
 def test_a_method_block_size_and_given_references():

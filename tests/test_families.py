@@ -5,7 +5,7 @@ rolled back refused before any work (tests/families.py builds the tiny models)."
 import pytest
 import torch
 
-from blockdraft.cache import crop, layer_kinds
+from blockdraft.cache import layer_kinds
 from blockdraft.decoding import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.oracle import OracleDraft
@@ -49,8 +49,8 @@ def test_speculative_greedy_equals_plain_and_hf_generate(family):
 
 @pytest.mark.parametrize("family", STATEFUL)
 def test_rollback_leaves_the_recurrent_state_of_plain_processing(family):
-    """After a block of 6 with 2 kept, every cached state equals the state after running exactly
-    those tokens: the rejected ones left no trace."""
+    """After a block of 6 with 2 kept, the cache holds exactly the state of running those tokens:
+    the rejected ones left no trace (the kept ones run in when flushed, or with the next forward)."""
     target = tiny_family(family)
     prefix, kept, junk = PROMPT[:10], PROMPT[10:12], PROMPT[20:24]
 
@@ -64,13 +64,13 @@ def test_rollback_leaves_the_recurrent_state_of_plain_processing(family):
     target.forward(torch.tensor([kept]), want, logits_at=1)
     target.rollback(want, len(prefix) + len(kept))
     got = prefilled()
-    block = torch.tensor([kept + junk])
-    snap = target.snapshot(got)
-    target.forward(block, got, logits_at=1)
-    target.rollback(got, len(prefix) + len(kept), snap, block)
-    assert got.get_seq_length() == want.get_seq_length()
+    target.forward(torch.tensor([kept + junk]), got, logits_at=1)
+    target.rollback(got, len(prefix) + len(kept))
+    assert got.num_pending == len(kept) and got.get_seq_length() == want.get_seq_length()
+    target.flush(got)
+    assert got.num_pending == 0 and got.kv.get_seq_length() == want.kv.get_seq_length()
     compared = 0
-    for a, b in zip(got.layers, want.layers):
+    for a, b in zip(got.kv.layers, want.kv.layers):
         for name in ("conv_states", "recurrent_states", "keys", "values"):
             x, y = getattr(a, name, None), getattr(b, name, None)
             for u, v in (zip(x.values(), y.values()) if isinstance(x, dict) else [(x, y)]):
@@ -80,12 +80,34 @@ def test_rollback_leaves_the_recurrent_state_of_plain_processing(family):
     assert compared > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", "lfm2"])
+def test_pending_tokens_run_with_the_next_forward_or_on_their_own(family):
+    """Deferring the kept tokens to the next forward and running them at once (max_pending 0)
+    give plain decoding's greedy output, and the deferral saves the replay forwards."""
+    target = tiny_family(family)
+    plain = greedy(Engine(target), 1, False).token_ids
+    counts = []
+    for max_pending in (0, 16):
+        target.max_pending = max_pending
+        oracle = OracleDraft(tiny_draft(target, block_size=8), plain, len(PROMPT), 0.6, seed=3)
+        calls = []
+        real = target.model.base_model.forward
+        target.model.base_model.forward = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            got = greedy(Engine(target, oracle), 8, False)
+        finally:
+            del target.model.base_model.forward
+        assert got.token_ids == plain
+        counts.append(len(calls))
+    assert counts[1] < counts[0]  # fewer target forwards when the kept tokens ride along
+
+
 @pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
 def test_a_leaking_rollback_is_caught_by_the_probe(family, monkeypatch):
-    """Without the snapshot (a recurrent state cut like K/V, the old behaviour) the engine must
+    """Without putting the snapshot back (the rejected tokens left in the state, as before) the engine must
     refuse the target instead of decoding it wrongly."""
     target = tiny_family(family)
-    monkeypatch.setattr(Target, "snapshot", lambda self, cache: None)
+    monkeypatch.setattr("blockdraft.target.restore", lambda kv, snap: None)  # states left as the block made them
     with pytest.raises(BlockdraftError, match="differ from plain decoding"):
         Engine(target)
 
@@ -115,7 +137,7 @@ def test_a_cache_layer_of_unknown_kind_is_refused(monkeypatch):
         cache.layers = [OddLayer() for _ in range(4)]
         return cache
 
-    monkeypatch.setattr(Target, "new_cache", odd_cache)
+    monkeypatch.setattr(Target, "new_kv_cache", odd_cache)
     with pytest.raises(BlockdraftError, match="OddLayer"):
         Target(tiny_model("llama"), None)
 
@@ -128,8 +150,9 @@ def test_sliding_window_is_cut_back_to_the_window_after_each_step(family):
     assert "sliding" in target.cache_kinds
     cache = target.new_cache()
     target.forward(torch.tensor([PROMPT]), cache, logits_at=1)
-    crop(cache, len(PROMPT) - 3)
-    sliding = [layer for layer, kind in zip(cache.layers, layer_kinds(cache)) if kind == "sliding"]
+    target.rollback(cache, len(PROMPT) - 3)
+    kv = cache.kv
+    sliding = [layer for layer, kind in zip(kv.layers, layer_kinds(kv)) if kind == "sliding"]
     assert sliding and all(layer.keys.shape[-2] == layer.sliding_window - 1 for layer in sliding)
     assert cache.get_seq_length() == len(PROMPT) - 3
 
