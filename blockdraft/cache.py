@@ -13,8 +13,10 @@ classes, read from the model's own `DynamicCache`, never from a list of model na
   `TargetCache` to run in front of the next forward's own, which leaves the state exactly where
   plain decoding would have it, without a replay forward of their own.
 
-Any other layer class (or a model that takes no `past_key_values`) is refused when the engine is
-built (`check_rollback`), naming the family and the layer: never run, never silently wrong.
+Any other layer class (or a model that takes no `past_key_values`) is refused when the target is
+wrapped (`check_rollback`), and a model whose block forward or rollback strays from plain decoding
+by a probe when an engine is built (`probe_rollback`), naming the family and the cause: never run,
+never silently wrong. A verified token tree keeps only its accepted path (`keep_positions`).
 """
 
 from __future__ import annotations
