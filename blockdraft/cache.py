@@ -32,11 +32,10 @@ from .errors import BlockdraftError
 def _layer_kinds() -> dict[type, str]:
     from transformers import cache_utils as cu
 
-    kinds = {cu.DynamicLayer: "attention", cu.DynamicIndexedLayer: "attention",
-             cu.DynamicSlidingWindowLayer: "sliding", cu.LinearAttentionLayer: "state",
-             cu.LinearAttentionAndFullAttentionLayer: "state+attention",
-             cu.LinearAttentionAndSlidingWindowAttentionLayer: "state+sliding"}
-    return kinds
+    return {cu.DynamicLayer: "attention", cu.DynamicIndexedLayer: "attention",
+            cu.DynamicSlidingWindowLayer: "sliding", cu.LinearAttentionLayer: "state",
+            cu.LinearAttentionAndFullAttentionLayer: "state+attention",
+            cu.LinearAttentionAndSlidingWindowAttentionLayer: "state+sliding"}
 
 
 def layer_kinds(cache) -> list[str]:
@@ -85,7 +84,7 @@ def _is_state(layer) -> bool:
 
 @dataclass
 class StateSnapshot:
-    """The linear-attention states of a cache at `length` tokens, before a verify forward."""
+    """The linear-attention states of a cache at `length` tokens, before a forward."""
 
     length: int
     conv: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (layer, state, tensor)
@@ -177,7 +176,7 @@ def tree_capable(kv) -> bool:
 def keep_positions(kv, start: int, keep: list[int]) -> None:
     """Keep the first `start` tokens of every layer's K/V and, after them, the entries `keep`
     (indices past `start`, in order): a verified tree's accepted path. Plain attention layers only
-    (`layer_kinds` all "attention"; a tree is refused for other caches)."""
+    (`tree_capable`; a tree is refused for other caches)."""
     idx = torch.tensor(keep, dtype=torch.long)
     for layer in kv.layers:
         k, v = layer.keys, layer.values  # [B, H, T, D]

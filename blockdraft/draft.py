@@ -43,10 +43,10 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
+    rope_scaling: dict | None = None  # the RoPE parameters of a scaled type (yarn, llama3, linear); None: default
     # per layer "full_attention" (the DFlash default: the block sees all context and itself) or
     # "sliding_attention" (z-lab's later drafters: the last `sliding_window` positions, causal);
     # None: all full. `is_causal` overrides causality for every layer, as the reference reads it.
-    rope_scaling: dict | None = None  # the RoPE parameters of a scaled type (yarn, llama3, linear); None: default
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     is_causal: bool | None = None

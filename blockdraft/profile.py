@@ -3,9 +3,10 @@ judged by. `blockdraft bench` reports it beside the per-method phase times of th
 (`StepSeconds`), measured in the same run.
 
 Parts: the target forward's body (decoder layers, taps) over b new tokens after a context, its LM
-head over r rows, the cache rollback after a verify that kept only its anchor (for a
-hybrid target: the recurrent state restored; the anchor then runs with the next forward); the draft's context projection of n new
-positions, its layers over a block of b, and its head over b-1 rows. Medians of `repeats`.
+head over r rows, the cache rollback after a verify that kept only its anchor (for a hybrid
+target: the recurrent state restored; the anchor then runs with the next forward); the draft's
+context projection of n new positions, its layers over a block of b, and its head over b-1 rows.
+Medians of `repeats`.
 """
 
 from __future__ import annotations

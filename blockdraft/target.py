@@ -93,10 +93,11 @@ class Target:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self._head_splits: bool | None = None
         # what each cache layer holds ("attention", "sliding", "state", ...); refuses what cannot roll back
-        self.cache_kinds = check_rollback(model, self.new_kv_cache())
+        kv = self.new_kv_cache()
+        self.cache_kinds = check_rollback(model, kv)
         self.max_pending = MAX_PENDING  # accepted tokens a hybrid target defers to its next forward
         self._has_state = any(k.startswith("state") for k in self.cache_kinds)
-        self._tree_capable = tree_capable(self.new_kv_cache())
+        self._tree_capable = tree_capable(kv)
         self._exact = False  # whether `check_exact` passed
         if packed:  # prepacked oneDNN linear layers on the CPU (kernels.py); elsewhere a no-op
             prepack(self.model)
@@ -141,10 +142,6 @@ class Target:
 
     def new_cache(self) -> TargetCache:
         return TargetCache(self.new_kv_cache())
-
-    @staticmethod
-    def cache_length(cache: TargetCache) -> int:
-        return cache.get_seq_length()
 
     @property
     def has_state(self) -> bool:
@@ -266,7 +263,7 @@ class Target:
                         position_ids=start + torch.tensor([tree.depths], device=ids.device))
         if self.head_splits:
             out = self.model.base_model(**args)
-            hidden, logits = out.last_hidden_state[:, -keep:] if keep else out.last_hidden_state[:, :0], None
+            hidden, logits = out.last_hidden_state[:, out.last_hidden_state.shape[1] - keep:], None
         else:
             out = self.model(**args, logits_to_keep=max(keep, 1))
             hidden, logits = None, out.logits[:, out.logits.shape[1] - keep:]
