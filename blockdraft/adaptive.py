@@ -97,14 +97,37 @@ class AdaptiveBlockPolicy:
 
     def update(self, block: int, accepted: int, seconds: float) -> None:
         """Record a step: drafts 1..accepted passed, draft accepted+1 (if any) failed."""
-        if self.probing:
-            self.probing = False
-            self.interval = self.probe_every if accepted else min(2 * self.interval, self.max_probe_every)
         for j in range(1, min(accepted + 2, block)):
             self.tried[j] += 1
             self.passed[j] += 1.0 if j <= accepted else 0.0
             if self.tried[j] > self.memory:
                 self.tried[j] //= 2
                 self.passed[j] /= 2
+        self.record(block, accepted, seconds)
+
+    def record(self, block: int, accepted: int, seconds: float) -> None:
+        """A step's cost, and whether a probe paid (the part of `update` any acceptance model shares)."""
+        if self.probing:
+            self.probing = False
+            self.interval = self.probe_every if accepted else min(2 * self.interval, self.max_probe_every)
         old = self.cost.get(block)
         self.cost[block] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+
+@dataclass
+class TreeBudgetPolicy(AdaptiveBlockPolicy):
+    """The same choice over a token tree's node budget n (tree.py): E(n) is the expected value of
+    the best tree of n nodes under the learned (depth, rank) rates (`plan` sets it before each
+    choice), c(n) the measured cost of a step verifying n tokens, the draft forward included;
+    n = 1 is a plain step. A chain of b is one of these trees, so this also chooses chain or tree."""
+
+    expected: list[float] = field(default_factory=list)  # E(n) for n = 1..max_block
+
+    def plan(self, expected: list[float]) -> None:
+        self.expected = expected
+
+    def expected_tokens(self, block: int) -> float:
+        return self.expected[block - 1] if self.expected else 1.0 + 0.5 * (block > 1)
+
+    def update(self, block: int, accepted: int, seconds: float) -> None:
+        self.record(block, accepted, seconds)  # acceptance is learned by the tree's rates

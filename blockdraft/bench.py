@@ -34,6 +34,7 @@ from .verify import SamplingParams
 
 METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
+TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         block = int(tail)
     if "+tree" in head:
         head, n = head.split("+tree", 1)
+        n = n or str(TREE_BUDGET)
         if not n.isdigit() or not 1 <= int(n) <= 256:
             raise BlockdraftError(f"{method!r}: '+treeN' needs a node budget N in [1, 256]")
         tree = int(n)
@@ -109,6 +111,10 @@ class MethodResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)  # per request
     lookup_steps: int = 0
+    drafted: int = 0  # tokens verified besides the anchors (a tree's nodes)
+    accepted: int = 0
+    tree_sizes: list[int] = field(default_factory=list)
+    tree_nodes_by_depth: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     step_seconds: dict[str, float] = field(default_factory=dict)  # our engine: decode time by phase
 
@@ -128,8 +134,17 @@ class MethodResult:
             "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
             "acceptance_histogram": hist,
             **({"lookup_steps": self.lookup_steps} if self.lookup_steps else {}),
+            **({"accepted_per_verified": round(self.accepted / self.drafted, 3)} if self.drafted else {}),
+            **({"trees": self.tree_summary()} if self.tree_sizes else {}),
             **({"step_ms": self.step_ms()} if self.step_ms() else {}),
         }
+
+    def tree_summary(self) -> dict:
+        """The trees actually verified: how many steps, their mean size, nodes per depth on average."""
+        n = len(self.tree_sizes)
+        return {"steps": n, "of_steps": len(self.acceptance_lengths),
+                "mean_nodes": round(sum(self.tree_sizes) / n, 2),
+                "nodes_by_depth": [round(c / n, 2) for c in self.tree_nodes_by_depth]}
 
 
 def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
@@ -142,6 +157,13 @@ def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -
     res.acceptance_lengths += out.stats.acceptance_lengths
     res.taus.append(out.stats.tau)
     res.lookup_steps += out.stats.lookup_steps
+    res.drafted += out.stats.drafted
+    res.accepted += out.stats.accepted
+    res.tree_sizes += out.stats.tree_sizes
+    for d, c in enumerate(out.stats.tree_nodes_by_depth):
+        if d == len(res.tree_nodes_by_depth):
+            res.tree_nodes_by_depth.append(0)
+        res.tree_nodes_by_depth[d] += c
     for phase, seconds in out.stats.step_seconds.as_dict().items():
         res.step_seconds[phase] = res.step_seconds.get(phase, 0.0) + seconds
     return out.token_ids
@@ -168,9 +190,10 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult, **extra) -> l
 
 
 @torch.inference_mode()
-def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats: int = 9) -> dict:
-    """Seconds of a target forward over b new tokens (b = 1..B, after the prompt) and of one
-    draft forward for a block of B: the cost model behind the ceiling speedup."""
+def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats: int = 9,
+                  verify_size: int | None = None) -> dict:
+    """Seconds of a target forward over b new tokens (b = 1..max(B, verify_size), after the prompt)
+    and of one draft forward for a block of B: the cost model behind the ceiling speedup."""
     from .draft import DraftCache
     from .profile import timed as timed_on
 
@@ -182,7 +205,7 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     out = target.forward(torch.tensor([prompt_ids], device=target.device), cache, taps, logits_at=1)
     n = len(prompt_ids)
     t_target = {}
-    for b in range(1, block_size + 1):
+    for b in range(1, max(block_size, verify_size or 0) + 1):
         ids = torch.zeros(1, b, dtype=torch.long, device=target.device)
 
         def verify(ids=ids):
@@ -280,6 +303,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     b = block_size or (draft.block_size if draft is not None else 1)
     blocks = {m: specs[m].block_size or block_size or (max(b, LOOKUP_BLOCK) if specs[m].lookup else b)
               for m in methods}  # the largest block each method may run
+    verified = {m: specs[m].tree_budget or blocks[m] for m in methods}  # tokens its largest verify runs
     # the cost model bounds a drafter's block steps; lookup steps run no draft forward
     ceilings = [m for m in methods if specs[m].name in ("dflash", "oracle") and not specs[m].lookup]
     results = {m: MethodResult() for m in methods}
@@ -293,24 +317,27 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             # the machine's state), at a context halfway through this prompt's generation
             with use_packed(packed):
                 samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()),
-                                             cost_repeats))
+                                             cost_repeats, max(verified.values())))
     step_profile = None
     if profile:  # at the first prompt's context halfway through its generation, as the cost model
         from .profile import BLOCKS, profile_step
 
         first = prompts[0] + next(iter(results.values())).outputs[0][: max_new_tokens // 2]
         with use_packed(packed):
-            step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(blocks.values())}))
+            step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(verified.values())}))
     report = {m: r.summary(blocks[m]) for m, r in results.items()}
     costs = median_costs(samples) if ceilings else None
     for m in methods:
         if specs[m].name in ("dflash", "oracle") or specs[m].lookup:
             report[m]["block_size"] = cfgs[m].block_size or "adaptive"
+        if specs[m].tree_budget:
+            report[m]["tree_budget"] = specs[m].tree_budget if cfgs[m].block_size else f"adaptive <= {specs[m].tree_budget}"
         if m in ceilings and report[m]["tau"]:
             # the cost model is per decode step: tokens per step over all steps (not per request)
             lengths = results[m].acceptance_lengths
             tokens_per_step = sum(lengths) / len(lengths)
-            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, tokens_per_step, blocks[m]), 3)
+            # a fixed block's or tree's verify size; an adaptive method's largest (a bound, not a forecast)
+            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, tokens_per_step, verified[m]), 3)
     mismatches = []
     reference = "hf" if "hf" in results else "ar" if "ar" in results else None  # plain greedy decoding
     if temperature == 0 and reference:
@@ -338,8 +365,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
 
 
 def format_table(report: dict) -> str:
-    cols = ["tok_s", "decode_tok_s", "tau", "speedup_vs_hf", "speedup_vs_ar", "decode_speedup_vs_ar",
-            "ceiling_speedup_vs_ar"]
+    cols = ["tok_s", "decode_tok_s", "tau", "accepted_per_verified", "speedup_vs_hf", "speedup_vs_ar",
+            "decode_speedup_vs_ar", "ceiling_speedup_vs_ar"]
     lines = ["method          " + "".join(f"{c:>22}" for c in cols)]
     for m, r in report["methods"].items():
         lines.append(f"{m:<16}" + "".join(f"{str(r.get(c) if r.get(c) is not None else '-'):>22}" for c in cols))
@@ -350,6 +377,11 @@ def format_table(report: dict) -> str:
         lines.append(f"outputs identical to {against}'s for every method and prompt")
     elif report["temperature"] == 0:
         lines.append("outputs not compared (add hf or ar to --methods)")
+    for m, r in report["methods"].items():
+        if r.get("trees"):
+            t = r["trees"]
+            lines.append(f"{m}: trees on {t['steps']} of {t['of_steps']} steps, {t['mean_nodes']} nodes on average, "
+                         f"by depth {t['nodes_by_depth']}")
     phased = {m: r["step_ms"] for m, r in report["methods"].items() if r.get("step_ms")}
     if phased:
         phases = list(next(iter(phased.values())))
@@ -366,52 +398,3 @@ def format_table(report: dict) -> str:
 
 def dump(report: dict) -> str:
     return json.dumps(report)
-
-
-def plot_report(report: dict, path: str) -> None:
-    """Speedup bars, acceptance histograms, and (with several oracles) speedup against tau."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise BlockdraftError("--plot needs matplotlib (pip install 'blockdraft[bench]')") from err
-    methods = report["methods"]
-    oracles = [m for m in methods if m.startswith("oracle") and methods[m]["tau"]]
-    panels = 3 if len(oracles) >= 2 else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
-    names = list(methods)
-    base = "ar" if all(methods[m].get("speedup_vs_ar") for m in names) else "hf"
-    bars = [methods[m].get(f"speedup_vs_{base}") or 0 for m in names]
-    axes[0].bar(names, bars, color=["#3b7dd8" if m.startswith("dflash") else "#999999" for m in names])
-    axes[0].axhline(1.0, color="black", lw=0.8)
-    axes[0].set_ylabel(f"speedup over {base} (end-to-end tokens/s)")
-    axes[0].set_title(f"{report.get('dataset', '')}, {report['prompts']} prompts, {report['max_new_tokens']} tokens")
-    axes[0].tick_params(axis="x", rotation=30)
-    for m in names:
-        hist = methods[m]["acceptance_histogram"]
-        if max(hist[1:], default=0):  # only methods where some step accepted a draft
-            axes[1].plot(range(1, len(hist) + 1), [h / sum(hist) for h in hist], marker="o", ms=3,
-                         label=f"{m} (tau {methods[m]['tau']})")
-    axes[1].set_xlabel("acceptance length (tokens per step)")
-    axes[1].set_ylabel("fraction of steps")
-    axes[1].set_title("acceptance histogram")
-    if axes[1].lines:
-        axes[1].legend(fontsize=8)
-    else:
-        axes[1].text(0.5, 0.5, "no method accepted drafts", ha="center", transform=axes[1].transAxes)
-    if panels == 3:
-        pts = sorted((methods[m]["tau"], methods[m].get("speedup_vs_ar"), methods[m].get("ceiling_speedup_vs_ar"))
-                     for m in oracles)
-        axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="measured")
-        axes[2].plot([p[0] for p in pts], [p[2] for p in pts], ls="--",
-                     label="cost-model ceiling at each oracle's block")
-        axes[2].axhline(1.0, color="black", lw=0.8)
-        axes[2].set_xlabel("tau (oracle drafter)")
-        axes[2].set_ylabel("speedup over ar")
-        axes[2].set_title("engine speed against tau")
-        axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -177,12 +177,16 @@ def keep_positions(kv, start: int, keep: list[int]) -> None:
     """Keep the first `start` tokens of every layer's K/V and, after them, the entries `keep`
     (indices past `start`, in order): a verified tree's accepted path. Plain attention layers only
     (`tree_capable`; a tree is refused for other caches)."""
+    m = len(keep)
+    moved = keep != list(range(m))  # a path of the first nodes (the likeliest) only needs a crop
     idx = torch.tensor(keep, dtype=torch.long)
     for layer in kv.layers:
         k, v = layer.keys, layer.values  # [B, H, T, D]
-        i = (start + idx).to(k.device)
-        layer.keys = torch.cat([k[:, :, :start], k.index_select(2, i)], dim=2)
-        layer.values = torch.cat([v[:, :, :start], v.index_select(2, i)], dim=2)
+        if moved:  # the path's entries to the front, in place (index_select copies them first)
+            i = (start + idx).to(k.device)
+            k[:, :, start:start + m] = k.index_select(2, i)
+            v[:, :, start:start + m] = v.index_select(2, i)
+        layer.keys, layer.values = k[:, :, :start + m], v[:, :, :start + m]
 
 
 @torch.inference_mode()

@@ -162,7 +162,8 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
               device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
               dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True) -> None:
-    from .bench import check_methods, dump, format_table, parse_method, plot_report, run_bench
+    from .bench import check_methods, dump, format_table, parse_method, run_bench
+    from .benchplot import plot_report
     from .benchdata import load_prompts
     from .target import load_target
 
@@ -373,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     g.add_argument("--tree", type=int, default=None, metavar="N",
-                   help="verify a token tree of N nodes per step instead of a chain (greedy only)")
+                   help="verify token trees of up to N nodes instead of chains, the lookup continuation "
+                        "as one more branch (N adaptive per step unless --block-size is given)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_lookup_arg(g)
     _add_dtype_args(g)
@@ -414,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
                    help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
                         "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "
-                        "+treeN verifies a token tree of N nodes (dflash-lookup+tree16:16; greedy)")
+                        "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
+                        "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32)")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)

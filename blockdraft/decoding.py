@@ -1,10 +1,11 @@
 """Speculative decoding with a DFlash drafter, and plain decoding through the same loop.
 
-`decode_steps` is the whole algorithm, top to bottom: prefill, then per step draft a block,
-verify it with one target forward, commit the accepted prefix plus one token and roll the target
-cache back. Without a drafter every step is one plain autoregressive token (the honest baseline).
-`generate` drives it to the end and returns a `GenerationResult`.
-"""
+`decode_steps` is the whole algorithm, top to bottom: prefill, then per step propose (propose.py:
+prompt lookup, the drafter's chain, or its token tree with the lookup as a branch), verify with
+one target forward (`verify_proposal`: verify.py for chains, tree.py for trees), commit the
+accepted tokens plus one and roll the target cache back. Without a drafter every step is one
+plain autoregressive token (the honest baseline). `generate` drives it to the end and returns a
+`GenerationResult`."""
 
 from __future__ import annotations
 
@@ -14,18 +15,15 @@ from typing import Callable, Iterator
 
 import torch
 
-from .adaptive import AdaptiveBlockPolicy
 from .checkpoint import check_fits
 from .draft import DraftCache, DraftModel
 from .errors import BlockdraftError
 from .kernels import prepack
-from .lookup import lookup_proposals
+from .propose import LOOKUP_BLOCK, Proposal, Proposers  # noqa: F401  (LOOKUP_BLOCK: re-exported)
 from .target import Target, TargetOutput
-from .tree import TreeRates, build_tree, verify_tree_greedy
 from .text import TextStream, cut_at_stop_string, decode_text  # noqa: F401  (TextStream: re-exported)
-from .verify import SamplingParams, probs_from_logits, sample, verify_greedy, verify_sampled
-
-LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
+from .tree import Tree, verify_tree_greedy, verify_tree_sampled
+from .verify import SamplingParams, probs_from_logits, row_reader, sample, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -38,7 +36,8 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
     lookup: bool = True  # also propose prompt-lookup continuations (lookup.py) where they pay
-    tree_budget: int | None = None  # verify a token tree of this many nodes (tree.py; greedy) instead of a chain
+    tree_budget: int | None = None  # verify token trees of up to this many nodes instead of chains (tree.py):
+    # adaptive n with block_size None (down to plain steps), else always this many; lookup as a branch
 
 
 @dataclass
@@ -80,6 +79,15 @@ class GenerationStats:
     lookup_steps: int = 0  # steps that verified prompt-lookup proposals instead of the drafter's
     step_seconds: StepSeconds = field(default_factory=StepSeconds)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    tree_sizes: list[int] = field(default_factory=list)  # nodes of each tree verified (root included)
+    tree_nodes_by_depth: list[int] = field(default_factory=list)  # summed over those trees
+
+    def count_tree(self, tree: Tree) -> None:
+        self.tree_sizes.append(len(tree))
+        for d, n in enumerate(tree.shape()):
+            if d == len(self.tree_nodes_by_depth):
+                self.tree_nodes_by_depth.append(0)
+            self.tree_nodes_by_depth[d] += n
 
     @property
     def tau(self) -> float:
@@ -143,21 +151,33 @@ def _choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
     return int(sample(probs_from_logits(logits, params), gen))
 
 
-def propose(draft_logits: torch.Tensor, config: GenerationConfig, gen):
-    """Draft tokens [n] and the distribution q [n, V] they were drawn from (None if argmax)."""
-    params = config.sampling
-    if params.greedy or config.proposal == "greedy":
-        return draft_logits.argmax(-1), None
-    q = probs_from_logits(draft_logits, params)
-    return sample(q, gen), q
+@dataclass
+class Outcome:
+    """A step's verdict, whichever proposer's tokens it judged."""
+
+    accepted: int  # draft tokens accepted
+    next_token: int  # the bonus or recovered token (a plain step's own token)
+    path: list[int] | None = None  # a tree's accepted nodes, the root first
 
 
-def verify_block(out: TargetOutput, drafts: torch.Tensor, q, config: GenerationConfig, gen):
-    """Verdict on drafts [n] from the target's forward over [anchor, drafts] (n + 1 rows). The LM
-    head runs lazily, on the rows up to the first rejection (verify.py reads them in chunks)."""
-    if config.sampling.greedy:
-        return verify_greedy(drafts, lambda a, b: out.rows(a, b).argmax(-1))
-    return verify_sampled(drafts, lambda a, b: probs_from_logits(out.rows(a, b), config.sampling), q, gen)
+def verify_proposal(out: TargetOutput, proposal: Proposal, params: SamplingParams, gen) -> Outcome:
+    """The verdict on a proposal from the target's forward over [anchor, drafts] (or a tree's
+    nodes). The LM head runs lazily, on the rows the verdict reads (in chunks, verify.py)."""
+    drafts, tree = proposal.drafts, proposal.tree
+    if drafts is None:
+        return Outcome(0, _choose(out.rows(0, 1)[0], params, gen))
+    if tree is not None:
+        row = row_reader(out.rows, len(tree))  # nodes are in order of value: the walk reads early rows
+        if params.greedy:
+            v = verify_tree_greedy(tree, lambda i: row(i).argmax())
+        else:
+            v = verify_tree_sampled(tree, lambda i: probs_from_logits(row(i), params), gen)
+        return Outcome(v.num_accepted, v.next_token, v.path)
+    if params.greedy:
+        v = verify_greedy(drafts, lambda a, b: out.rows(a, b).argmax(-1))
+    else:
+        v = verify_sampled(drafts, lambda a, b: probs_from_logits(out.rows(a, b), params), proposal.q, gen)
+    return Outcome(v.num_accepted, v.next_token)
 
 
 def validate_request(target: Target, prompt_ids: list[int], config: GenerationConfig) -> None:
@@ -177,8 +197,6 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
     if config.tree_budget is not None:
         if not 1 <= config.tree_budget <= 256:
             raise BlockdraftError(f"tree_budget must be in [1, 256] (got {config.tree_budget})")
-        if not config.sampling.greedy:
-            raise BlockdraftError("tree verification is greedy only (temperature 0) so far")
         if not target.supports_trees:
             raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
                                   f"{target.name!r} has {sorted(set(target.cache_kinds))}")
@@ -210,30 +228,18 @@ def decode_steps(
     if not params.greedy:
         gen = torch.Generator(device=target.device)
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    block_size = 1 if draft is None else (config.block_size or draft.block_size)
-    policy = None
-    # Block choices follow measured timings; with a sampling seed they must not, or the same
-    # seed could give different text (the draws would fall differently), so a seed fixes B.
-    reproducible = not params.greedy and params.seed is not None
-    policies = policies if policies is not None else {}
-    tree_rates = TreeRates() if config.tree_budget is not None else None  # learned per request
-    if draft is not None and config.block_size is None and config.adaptive and not reproducible and tree_rates is None:
-        policy = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
-    lookup_block = (config.block_size or LOOKUP_BLOCK) if config.lookup else 1
-    # Lookup proposals are free, but verifying them is not: a policy per matched n-gram length
-    # learns whether (and how far) they pay. Without adaptive blocks they are always verified.
-    lookup_adaptive = config.block_size is None and config.adaptive and not reproducible
-    lookup_policies = policies.setdefault("lookup", {}) if config.lookup else {}  # by (n-gram, max block)
-    taps = draft.cfg.target_layer_ids if draft is not None and block_size > 1 else None
+    proposers = Proposers.for_request(config, draft is not None, draft.block_size if draft else 1,
+                                      policies if policies is not None else {})
+    taps = draft.cfg.target_layer_ids if draft is not None and proposers.block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     stopper = _Stopper(target, config, budget)
+    device = target.device
 
     # 1. Prefill: the first token comes from the prompt's last logits; the prompt's taps are
     #    the draft's first context.
     t0 = clock()
     cache = target.new_cache()
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
-    out = target.forward(prompt, cache, taps, logits_at=1)
+    out = target.forward(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache, taps, logits_at=1)
     target.rollback(cache, len(prompt_ids))  # nothing to undo: trims the past a forward records
     anchor = _choose(out.rows(0, 1)[0], params, gen)
     pending_taps = [out.taps]  # chunks [1, T_i, K*H] of target taps not yet in the draft cache
@@ -244,95 +250,77 @@ def decode_steps(
     stats.prefill_seconds = clock() - t0
     yield Step(first, 0, 0)
 
+    def draft_forward(block: int) -> torch.Tensor:
+        """The drafter's logits [block - 1, V] for the positions after the anchor."""
+        return draft.block_logits(target.embed_tokens, draft.head_for(target.lm_head), draft_cache,
+                                  torch.cat(pending_taps, dim=1), anchor, position, block)
+
     t0 = clock()
     while stopper.finish_reason is None:
-        # 2. Propose, never more than the budget or the context can take: prompt-lookup tokens
-        #    where they are expected to pay (no forward at all), else the drafter's block.
         t_step = clock()
         times = stats.step_seconds
         times.mark = t_step
         room = min(budget - len(stopper.generated) + 1, target.max_context - position)  # largest block
-        drafts = q = lookup_policy = tree = None
-        looked_up = []
-        found = lookup_proposals(prompt_ids + stopper.generated, min(lookup_block, room) - 1) if config.lookup else None
-        if found:
-            if lookup_adaptive:
-                key = (found.ngram, lookup_block)
-                lookup_policy = lookup_policies.setdefault(key, AdaptiveBlockPolicy(lookup_block))
-            looked_up = found.tokens[: lookup_policy.choose() - 1] if lookup_policy else found.tokens
-            if looked_up and lookup_policy is not None and policy is not None:
-                # the alternative is the drafter's block, not a plain step: verify the lookup only
-                # if it is expected to yield as many tokens per second (while either is unmeasured, try it)
-                mine, theirs = lookup_policy.rate(1 + len(looked_up)), policy.best_rate()
-                if mine is not None and theirs is not None and mine < theirs:
-                    looked_up = []
-        times.lap("lookup", clock())
-        if looked_up:
-            drafts = torch.tensor(looked_up, dtype=torch.long, device=target.device)  # q one-hot: None
-            block = 1 + len(looked_up)
+        history = prompt_ids + stopper.generated
+        # 2. Propose, never more than the budget or the context can take. Chains: prompt-lookup
+        #    tokens where they are expected to pay (no forward at all), else the drafter's block.
+        #    Trees: the drafter's candidates and the lookup continuation in one tree.
+        if proposers.tree_budget is None:
+            proposal = proposers.propose_lookup(history, room, device)
+            times.lap("lookup", clock())
+            if proposal is None:
+                block = proposers.chain_block(room)
+                proposal = proposers.propose_chain(draft_forward(block), gen) if block > 1 else \
+                    Proposal(policy=proposers.chain)
         else:
-            cap = policy.choose() if policy is not None else block_size
-            block = min(cap, room)
-            if block > 1:
-                draft_logits = draft.block_logits(
-                    target.embed_tokens, draft.head_for(target.lm_head), draft_cache,
-                    torch.cat(pending_taps, dim=1), anchor, position, block,
-                )
-                if tree_rates is not None:  # a token tree from the same forward; node 0 is the anchor
-                    tree = build_tree(draft_logits, anchor, config.tree_budget, tree_rates)
-                    drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
-                else:
-                    drafts, q = propose(draft_logits, config, gen)
+            branch = proposers.lookup_branch(history, room)
+            times.lap("lookup", clock())
+            depth = min(proposers.block_size, room) - 1  # block positions the drafter may propose
+            size, depth = proposers.tree_size(depth, branch) if depth > 0 else (1, 0)
+            proposal = proposers.propose_tree(draft_forward(depth + 1), anchor, size, branch, gen) \
+                if size > 1 and depth > 0 else Proposal(policy=proposers.tree)
         times.lap("draft", clock())
         # 3. Verify: one target forward over [anchor, drafts] (or the tree's nodes).
-        block_ids = torch.tensor([[anchor]], dtype=torch.long, device=target.device)
-        if drafts is not None:
-            block_ids = torch.cat([block_ids, drafts[None]], dim=1)  # [1, block]
-        out = target.forward(block_ids, cache, taps, tree=tree)
+        block_ids = torch.tensor([[anchor]], dtype=torch.long, device=device)
+        if proposal.drafts is not None:
+            block_ids = torch.cat([block_ids, proposal.drafts[None]], dim=1)  # [1, block]
+        out = target.forward(block_ids, cache, taps, tree=proposal.tree)
         times.lap("target", clock())
-        path = None  # a tree's accepted nodes
-        if drafts is None:
-            accepted, next_token = 0, _choose(out.rows(0, 1)[0], params, gen)
-        elif tree is not None:
-            verdict = verify_tree_greedy(tree, lambda i: out.rows(i, i + 1)[0].argmax())
-            accepted, next_token, path = verdict.num_accepted, verdict.next_token, verdict.path
-            tree_rates.update(tree, path)
-        else:
-            verdict = verify_block(out, drafts, q, config, gen)
-            accepted, next_token = verdict.num_accepted, verdict.next_token
+        outcome = verify_proposal(out, proposal, params, gen)
+        accepted, path = outcome.accepted, outcome.path
         times.lap("verify", clock())
         # 4. Commit the anchor and accepted drafts; roll the target cache back past rejected
         #    drafts (a hybrid target's recurrent state takes the kept ones in with the next
-        #    forward). Their taps become draft context; the new token is the next anchor.
-        if path is not None:  # the cache keeps the accepted path's entries only
-            committed = [tree.tokens[i] for i in path[1:]] + [next_token]
+        #    forward; a tree keeps the accepted path's entries only). Their taps become draft
+        #    context; the new token is the next anchor.
+        if path is not None:
+            committed = [proposal.tree.tokens[i] for i in path[1:]] + [outcome.next_token]
             target.keep_path(cache, position, path)
+            proposers.rates.update(proposal.tree, path)
+            stats.count_tree(proposal.tree)
         else:
-            committed = (drafts[:accepted].tolist() if accepted else []) + [next_token]
+            committed = (proposal.drafts[:accepted].tolist() if accepted else []) + [outcome.next_token]
             target.rollback(cache, position + 1 + accepted)
         if taps:
             new_taps = out.taps[:, path] if path is not None else out.taps[:, : 1 + accepted]
             # a step that ran no draft forward (plain or lookup) left earlier pending context pending
-            ran_draft = drafts is not None and not looked_up
-            pending_taps = [new_taps] if ran_draft else pending_taps + [new_taps]
+            pending_taps = [new_taps] if proposal.ran_draft else pending_taps + [new_taps]
         position += 1 + accepted
-        anchor = next_token
+        anchor = outcome.next_token
         seconds = clock() - t_step
-        if policy is not None and not looked_up:
-            policy.update(block, accepted, seconds)
-        if looked_up and lookup_policy is not None:
-            lookup_policy.update(block, accepted, seconds)
-        if block == 1:  # a plain step's cost is c(1) of the lookup policies too
-            for other in lookup_policies.values():
+        if proposal.policy is not None:
+            proposal.policy.update(proposal.block, accepted, seconds)
+        if proposal.block == 1:  # a plain step's cost is c(1) of the lookup policies too
+            for other in proposers.lookup.values():
                 other.update(1, 0, seconds)
         emitted = stopper.clip(committed)
-        stats.lookup_steps += bool(looked_up)
+        stats.lookup_steps += proposal.looked_up
         stats.acceptance_lengths.append(len(emitted))
-        stats.drafted += block_ids.shape[1] - 1  # tokens verified besides the anchor (a tree's nodes)
+        stats.drafted += proposal.block - 1  # tokens verified besides the anchor (a tree's nodes)
         stats.accepted += accepted
         stats.decode_seconds = clock() - t0
         times.lap("commit", clock())
-        yield Step(emitted, block_ids.shape[1] - 1, accepted)
+        yield Step(emitted, proposal.block - 1, accepted)
     stats.finish_reason = stopper.finish_reason
 
 

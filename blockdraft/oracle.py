@@ -1,5 +1,6 @@
 """An oracle drafter: proposes the target's own greedy continuation (computed beforehand), each
-token kept with probability `keep` (else replaced by a wrong one, which ends acceptance there).
+token kept with probability `keep` (else replaced by a wrong one, which ends a chain's acceptance
+there; the true token then ranks second, as a token tree's second candidate).
 
 It runs the real draft forward first, so a step costs what a real drafter's step costs; only the
 proposed tokens differ. With it the engine's speed can be measured against a controlled tau,
@@ -34,6 +35,8 @@ class OracleDraft(DraftModel):
             truth = self.continuation[idx] if 0 <= idx < len(self.continuation) else 0
             right = torch.rand((), generator=self.gen).item() < self.keep
             out[k, truth if right else (truth + 1) % vocab] = 0.0
+            if not right:  # the truth ranks second, where a token tree (tree.py) may still find it
+                out[k, truth] = -1.0
         return out
 
     def matching_prefix(self, embed, lm_head, cache, context_taps, anchor, position, block, truth):

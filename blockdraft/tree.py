@@ -1,33 +1,55 @@
-"""Token trees from one draft forward, verified by one target forward (greedy).
+"""Token trees from one draft forward, verified by one target forward: pure tensor code.
 
 A block-diffusion drafter predicts every block position in one forward, each with a whole
-distribution; a chain verifies only the argmax of each. A tree spends the same verify budget
-where acceptance is likeliest: the root is the anchor, a node at depth d holds a candidate for
-block position d (its rank among that position's draft tokens), and the tree is grown greedily by
-each node's expected value, the product of the acceptance rates along its path. The rates, by
-(depth, rank), are learned online from the verdicts (`TreeRates`). A chain is the tree of rank 0
-everywhere.
+distribution; a chain verifies only one token of each. A tree spends the same verify budget where
+acceptance is likeliest: the root is the anchor, a node at depth d holds a candidate for block
+position d, and the tree is grown greedily by each node's expected value, the product of the
+acceptance rates along its path. The rates, by (depth, rank), are learned online from the
+verdicts (`TreeRates`). A chain is the tree of rank 0 everywhere. Prompt-lookup continuations
+enter the same tree as one more branch (rank `LOOKUP`), so a step never has to choose between
+lookup and drafter.
 
-The target runs the tree's tokens after its cache in one forward, each attending to the cache and
-to its own ancestors only (a 4D mask, positions by depth; `Target.forward_tree`); the greedy
-verdict walks from the root while a child holds the target's argmax at its parent; the cache then
-keeps exactly the accepted path (`Target.keep_path`).
+Candidates at depth d: the drafter's top tokens of position d (greedy, or argmax proposals at
+T > 0), or tokens drawn from its distribution q_d without replacement (sampled proposals); rank r
+is the r-th of them. Because the drafter predicts position d once for the whole block, every node
+at depth d - 1 offers the same candidates as children.
+
+Verdicts (`verify_tree`), at the nodes of the walk from the root:
+- T = 0: step to the child holding the target's argmax; the argmax after the last node is the bonus.
+- T > 0 (SpecInfer's multi-candidate rejection sampling, here without replacement as in recursive
+  rejection sampling): try the children in order, the lookup child first (a deterministic proposal,
+  q one-hot), then the drafter's by rank. A child with token x drawn from q' (q_d without the
+  tokens drawn before it, renormalised; one-hot for deterministic candidates) is accepted with
+  probability min(1, p(x) / q'(x)); on rejection p becomes normalize(max(0, p - q')). When no child
+  is accepted the token is drawn from what is left of p (the recovered token), at a leaf from p
+  itself (the bonus). Each stage is Leviathan et al.'s rule for its own proposal, so the committed
+  token at every node is distributed exactly as the target's p there, whatever q is.
+The cache then keeps exactly the accepted path (`Target.keep_path`).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from .verify import sample
+
+LOOKUP = -1  # the rank of a prompt-lookup node
+WIDTH = 4  # drafter candidates per block position
 
 
 @dataclass
 class Tree:
     tokens: list[int]  # node i's token; node 0 is the root (the anchor)
     parents: list[int]  # node i's parent (-1 for the root); a parent always precedes its children
-    depths: list[int]  # 0 for the root; node at depth d proposes block position d
-    ranks: list[int]  # its token's rank among position d's draft candidates (0 = argmax; root 0)
+    depths: list[int]  # 0 for the root; a node at depth d proposes block position d
+    ranks: list[int]  # its candidate's rank at position d (0 = the drafter's first; LOOKUP; root 0)
+    values: list[float] = field(default_factory=list)  # expected value: P(node accepted), root 1
+    candidates: list[list[int]] = field(default_factory=list)  # [depth - 1][rank]: all drafter candidates
+    q: torch.Tensor | None = None  # [D, V] the distributions sampled candidates were drawn from (None: deterministic)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -43,20 +65,35 @@ class Tree:
         return mask
 
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        """Node's children in verification order: the lookup child first, then by rank."""
+        kids = [i for i, p in enumerate(self.parents) if p == node]
+        return sorted(kids, key=lambda i: self.ranks[i])
+
+    def expected_tokens(self) -> float:
+        """Expected tokens a step with this tree commits: accepted nodes + the bonus/recovered one."""
+        return sum(self.values)
+
+    def shape(self) -> list[int]:
+        """Nodes per depth (depth 0, the root, first): what a bench reports of the trees used."""
+        counts = [0] * (max(self.depths) + 1)
+        for d in self.depths:
+            counts[d] += 1
+        return counts
 
 
 @dataclass
 class TreeRates:
     """P(a node is accepted | its parent was) by (depth, rank), counted from verdicts, with a prior
-    that halves with each rank (so an unmeasured tree starts close to a chain)."""
+    that halves with each rank (so an unmeasured tree starts close to a chain; lookup: 0.5).
+    Counts are halved past `memory` tries, so that the rates keep adapting."""
 
     accepted: dict = field(default_factory=dict)
     tried: dict = field(default_factory=dict)
     prior_weight: float = 2.0
+    memory: int = 2000
 
     def rate(self, depth: int, rank: int) -> float:
-        prior = 0.5 ** (rank + 1)
+        prior = 0.5 if rank == LOOKUP else 0.5 ** (rank + 1)
         key = (depth, rank)
         return (self.accepted.get(key, 0) + self.prior_weight * prior) / (self.tried.get(key, 0) + self.prior_weight)
 
@@ -68,48 +105,106 @@ class TreeRates:
                 key = (tree.depths[i], tree.ranks[i])
                 self.tried[key] = self.tried.get(key, 0) + 1
                 self.accepted[key] = self.accepted.get(key, 0) + (i in on_path)
+                if self.tried[key] > self.memory:
+                    self.tried[key] //= 2
+                    self.accepted[key] /= 2
 
 
-def build_tree(draft_logits: torch.Tensor, anchor: int, budget: int, rates: TreeRates, width: int = 4) -> Tree:
-    """A tree of at most `budget` nodes (the root included) over draft logits [B-1, V] (row d-1
-    proposes position d): nodes added in order of expected value, up to `width` candidates per
-    position."""
-    k = min(width, draft_logits.shape[-1])
-    top = draft_logits.topk(k, dim=-1).indices.tolist()  # [B-1][k] candidates per position, best first
-    tree = Tree([anchor], [-1], [0], [0])
-    frontier: list[tuple[float, int, int, int]] = []  # (-value, order, parent, rank)
-    values = [1.0]
+def build_tree(candidates: list[list[int]], anchor: int, budget: int, rates: TreeRates,
+               lookup: list[int] = (), merge: bool = True, q: torch.Tensor | None = None) -> Tree:
+    """A tree of at most `budget` nodes (the root included). `candidates[d - 1]`: the drafter's
+    tokens for position d, best first; `lookup`: a prompt-lookup continuation, a chain from the
+    root. Nodes are added in order of expected value, so the first n nodes are the best tree of n
+    (`truncate`). `merge`: a candidate equal to a sibling's token reuses that node (its own
+    children continue under it); right when every candidate is deterministic (T = 0, argmax
+    proposals), not for sampled ones, whose every draw is a stage of the verdict (`q` given)."""
+    tree = Tree([anchor], [-1], [0], [0], [1.0], [list(c) for c in candidates], q)
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-value, order, parent, depth, rank)
+    order = 0
+    where: dict[tuple[int, int], int] = {}  # (parent, token) -> node, for merging
 
-    def push_children(node: int) -> None:
-        d = tree.depths[node] + 1
-        if d <= len(top):
-            for r in range(k):
-                heapq.heappush(frontier, (-values[node] * rates.rate(d, r), len(values) * k + r, node, r))
+    def push(parent: int, value: float, depth: int, rank: int) -> None:
+        nonlocal order
+        heapq.heappush(frontier, (-value * rates.rate(depth, rank), order, parent, depth, rank))
+        order += 1
 
-    push_children(0)
+    def drafter_children(node: int, depth: int) -> None:
+        for r in range(len(candidates[depth]) if depth < len(candidates) else 0):
+            push(node, tree.values[node], depth + 1, r)
+
+    def lookup_child(node: int, depth: int) -> None:
+        if depth < len(lookup):
+            push(node, tree.values[node], depth + 1, LOOKUP)
+
+    drafter_children(0, 0)
+    lookup_child(0, 0)
     while len(tree) < budget and frontier:
-        neg, _, parent, rank = heapq.heappop(frontier)
-        d = tree.depths[parent] + 1
-        tree.tokens.append(top[d - 1][rank])
-        tree.parents.append(parent)
-        tree.depths.append(d)
-        tree.ranks.append(rank)
-        values.append(-neg)
-        push_children(len(tree) - 1)
+        neg, _, parent, depth, rank = heapq.heappop(frontier)
+        token = lookup[depth - 1] if rank == LOOKUP else candidates[depth - 1][rank]
+        node = where.get((parent, token)) if merge else None
+        if node is None:  # a new node, whose own kind of children become candidates
+            node = len(tree)
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.depths.append(depth)
+            tree.ranks.append(rank)
+            tree.values.append(-neg)
+            where[(parent, token)] = node
+        # a merged node (lookup and drafter agree) gains the other kind's children
+        (lookup_child if rank == LOOKUP else drafter_children)(node, depth)
     return tree
+
+
+def truncate(tree: Tree, n: int) -> Tree:
+    """The tree of its first n nodes (a parent always precedes its children)."""
+    return Tree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ranks[:n], tree.values[:n],
+                tree.candidates, tree.q)
+
+
+@dataclass
+class Plan:
+    """The best trees of n = 1..budget nodes, before any draft exists (their values depend on the
+    rates only): expected tokens, and how deep the drafter's nodes reach (the block to draft)."""
+
+    expected: list[float]  # [n - 1]: expected tokens of the tree of n nodes
+    drafter_depth: list[int]  # [n - 1]: the deepest drafter node among its nodes
+
+
+def plan_trees(rates: TreeRates, depth: int, budget: int, width: int = WIDTH, lookup: int = 0) -> Plan:
+    cands = [[-(2 + d * width + r) for r in range(width)] for d in range(depth)]  # placeholder tokens
+    tree = build_tree(cands, -1, budget, rates, lookup=[-10**9 - d for d in range(lookup)], merge=False)
+    expected, deepest, total, reach = [], [], 0.0, 0
+    for v, d, r in zip(tree.values, tree.depths, tree.ranks):
+        total += v
+        reach = max(reach, d if r != LOOKUP else 0)
+        expected.append(total)
+        deepest.append(reach)
+    pad = budget - len(expected)
+    return Plan(expected + [total] * pad, deepest + [reach] * pad)
+
+
+def draft_candidates(draft_probs_or_logits: torch.Tensor, width: int, sampled: bool,
+                     generator: torch.Generator | None = None) -> list[list[int]]:
+    """[D, V] -> per position, `width` candidates: the top tokens (logits or probs), or draws from
+    the probs without replacement (never more than a row's support)."""
+    if not sampled:
+        return draft_probs_or_logits.topk(min(width, draft_probs_or_logits.shape[-1]), dim=-1).indices.tolist()
+    support = int((draft_probs_or_logits > 0).sum(-1).min())
+    return torch.multinomial(draft_probs_or_logits, min(width, support), replacement=False,
+                             generator=generator).tolist()
 
 
 @dataclass
 class TreeVerdict:
     path: list[int]  # accepted node indices, the root first
-    next_token: int  # the target's own token after the path (the bonus)
+    next_token: int  # the target's own token after the path (bonus or recovered)
 
     @property
     def num_accepted(self) -> int:
         return len(self.path) - 1
 
 
-def verify_tree_greedy(tree: Tree, argmax_at) -> TreeVerdict:
+def verify_tree_greedy(tree: Tree, argmax_at: Callable[[int], int]) -> TreeVerdict:
     """Walk from the root while a child holds the target's argmax at its parent. `argmax_at(i)`:
     the target's greedy token after node i (one row of its logits; read only along the walk)."""
     path = [0]
@@ -119,3 +214,41 @@ def verify_tree_greedy(tree: Tree, argmax_at) -> TreeVerdict:
         if child is None:
             return TreeVerdict(path, want)
         path.append(child)
+
+
+def _proposal(tree: Tree, child: int) -> torch.Tensor | None:
+    """The distribution [V] child's token was drawn from: q_d without the draws ranked before it
+    (renormalised); None for a deterministic candidate (q one-hot)."""
+    if tree.q is None or tree.ranks[child] == LOOKUP:
+        return None
+    d, r = tree.depths[child], tree.ranks[child]
+    q = tree.q[d - 1].clone()
+    if r:
+        q[torch.tensor(tree.candidates[d - 1][:r], device=q.device)] = 0
+    return q / q.sum()
+
+
+def verify_tree_sampled(tree: Tree, p_at: Callable[[int], torch.Tensor],
+                        generator: torch.Generator | None = None) -> TreeVerdict:
+    """T > 0: multi-candidate rejection sampling at each node of the walk (see the module's
+    docstring). `p_at(i)`: the target's distribution [V] after node i."""
+    path = [0]
+    while True:
+        p = p_at(path[-1]).clone()
+        accepted = None
+        for c in tree.children(path[-1]):
+            x, q = tree.tokens[c], _proposal(tree, c)
+            q_x = 1.0 if q is None else float(q[x])
+            if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
+                accepted = c
+                break
+            if q is None:
+                p[x] = 0
+            else:
+                p = (p - q).clamp_min(0)
+            total = p.sum()
+            # total 0 only if p equalled q, where a rejection has probability 0
+            p = p / total if total > 0 else p_at(path[-1])
+        if accepted is None:
+            return TreeVerdict(path, int(sample(p, generator)))
+        path.append(accepted)

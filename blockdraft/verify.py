@@ -89,6 +89,21 @@ def row_chunks(rows: int, first: int = FIRST_CHUNK) -> Iterator[tuple[int, int]]
         start, size = start + size, 2 * size
 
 
+def row_reader(source: RowSource, rows: int, first: int = FIRST_CHUNK) -> Callable[[int], torch.Tensor]:
+    """Row i of a lazy source, read in the chunks of `row_chunks` (each chunk once), for verdicts
+    that visit rows out of order (a tree's walk)."""
+    bounds = list(row_chunks(rows, first))
+    loaded: dict[int, torch.Tensor] = {}
+
+    def row(i: int) -> torch.Tensor:
+        k = next(k for k, (a, b) in enumerate(bounds) if a <= i < b)
+        if k not in loaded:
+            loaded[k] = source(*bounds[k])
+        return loaded[k][i - bounds[k][0]]
+
+    return row
+
+
 def _read(source: torch.Tensor | RowSource, rows: int, first_chunk: int | None):
     """A row source and the chunks to read it in: a tensor whole (one chunk), a callable lazily."""
     if callable(source):

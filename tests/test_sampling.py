@@ -53,14 +53,16 @@ def test_top_k_top_p_restrict_support():
     assert p[0, 0] == 1.0  # the first token alone has mass >= 0.5
 
 
-@pytest.mark.parametrize("proposal,subset,draft_dtype", [("sample", None, None), ("greedy", None, None),
-                                                         ("sample", [0, 2, 5, 6], None),
-                                                         ("sample", None, torch.bfloat16)])
-def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, draft_dtype):
+@pytest.mark.parametrize("proposal,subset,draft_dtype,tree", [("sample", None, None, None), ("greedy", None, None, None),
+                                                              ("sample", [0, 2, 5, 6], None, None),
+                                                              ("sample", None, torch.bfloat16, None),
+                                                              ("sample", None, None, 6), ("greedy", None, None, 6)])
+def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, draft_dtype, tree):
     """Speculative sampling's joint distribution of the first two new tokens equals the target's,
     computed exactly by enumeration (tiny vocabulary, temperature 1.5, top-k 5); also with a
-    draft vocabulary subset (vocab.py), where q is zero outside the subset, and with the drafter
-    in bf16 beside an fp32 target (q is whatever the bf16 drafter computed)."""
+    draft vocabulary subset (vocab.py), where q is zero outside the subset, with the drafter
+    in bf16 beside an fp32 target (q is whatever the bf16 drafter computed), and with token
+    trees of 6 nodes (tree.py) of sampled and of argmax candidates."""
     target = tiny_target("llama", vocab=8, layers=3)
     draft = tiny_draft(target, block_size=4)
     if subset is not None:
@@ -79,8 +81,8 @@ def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, 
     counts = torch.zeros(8, 8)
     runs = 3000
     for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=2, stop_token_ids=(), proposal=proposal,
-                               sampling=SamplingParams(**params, seed=seed))
+        cfg = GenerationConfig(max_new_tokens=2, stop_token_ids=(), proposal=proposal, tree_budget=tree,
+                               block_size=4 if tree else None, sampling=SamplingParams(**params, seed=seed))
         a, b = engine.generate(prompt, cfg).token_ids
         counts[a, b] += 1
     # 3000 draws over <= 25 outcomes: noise TV ~0.04; assert well inside what a bias would give

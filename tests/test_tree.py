@@ -1,5 +1,6 @@
-"""Token trees (tree.py): built by expected value, verified in one target forward under a 4D
-ancestor mask, the cache compacted to the accepted path; greedy output equals plain decoding."""
+"""Token trees (tree.py): built by expected value, with a lookup branch, verified in one target
+forward under a 4D ancestor mask, the cache compacted to the accepted path; greedy output equals
+plain decoding, and sampling keeps the target's distribution (total-variation tests)."""
 
 import pytest
 import torch
@@ -7,9 +8,11 @@ import torch
 from blockdraft.decoding import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.oracle import OracleDraft
-from blockdraft.tree import Tree, TreeRates, build_tree, verify_tree_greedy
+from blockdraft.tree import (LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate,
+                             verify_tree_greedy, verify_tree_sampled)
 
 from conftest import tiny_draft, tiny_target
+from test_sampling import total_variation
 from families import tiny_family
 
 PROMPTS = [[5, 17, 33, 2], list(range(3, 40))]
@@ -23,9 +26,9 @@ def greedy(engine, prompt, n=40, budget=None, block=8, lookup=False):
 def test_a_tree_grows_by_expected_value_and_a_chain_is_rank_zero():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [3.0, 0.0, 2.0, 9.0], [1.0, 2.0, 3.0, 4.0]])  # [B-1, V]
     rates = TreeRates()
-    chain = build_tree(logits, anchor=0, budget=4, rates=rates, width=1)
+    chain = build_tree(draft_candidates(logits, 1, False), anchor=0, budget=4, rates=rates)
     assert chain.tokens == [0, 1, 3, 3] and chain.parents == [-1, 0, 1, 2] and set(chain.ranks) == {0}
-    tree = build_tree(logits, anchor=0, budget=6, rates=rates, width=3)
+    tree = build_tree(draft_candidates(logits, 3, False), anchor=0, budget=6, rates=rates)
     assert len(tree) == 6 and tree.parents[1] == 0 and tree.tokens[1] == 1  # the argmax first
     assert all(tree.parents[i] < i for i in range(1, 6))  # a parent precedes its children
     assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, 6))
@@ -55,17 +58,69 @@ def test_greedy_walk_takes_the_child_with_the_targets_token():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("budget", [1, 2, 5, 12, 32])
-def test_tree_greedy_equals_plain_decoding(kind, budget):
+def test_tree_greedy_equals_plain_decoding_for_every_budget(kind):
+    """Budgets 1..32 (every one on Llama, a spread on Qwen3), oracle and random drafters, with and
+    without a lookup branch (the prompt repeats itself, so the branch is used), fixed and adaptive."""
     target = tiny_target(kind)
-    plain = Engine(target)
-    for prompt in PROMPTS:
-        expected = greedy(plain, prompt).token_ids
-        for draft in (tiny_draft(target, block_size=8),
-                      OracleDraft(tiny_draft(target, block_size=8), expected, len(prompt), 0.6, seed=3)):
-            for lookup in (False, True):
-                got = greedy(Engine(target, draft), prompt, budget=budget, lookup=lookup)
-                assert got.token_ids == expected, (budget, lookup)
+    prompt = [5, 17, 33, 2, 8, 5, 17, 33, 2, 8, 5, 17]
+    expected = greedy(Engine(target), prompt, n=32).token_ids
+    random_draft = tiny_draft(target, block_size=8)
+    oracle = OracleDraft(tiny_draft(target, block_size=8), expected, len(prompt), 0.6, seed=3)
+    budgets = range(1, 33) if kind == "llama" else (1, 2, 5, 12, 32)
+    for budget in budgets:
+        for draft, lookup in ((oracle, False), (oracle, True), (random_draft, budget % 2 == 0)):
+            got = greedy(Engine(target, draft), prompt, n=32, budget=budget, lookup=lookup)
+            assert got.token_ids == expected, (budget, lookup)
+    for lookup in (False, True):  # adaptive budgets up to 32
+        got = greedy(Engine(target, oracle), prompt, n=32, budget=32, block=None, lookup=lookup)
+        assert got.token_ids == expected, lookup
+
+
+def test_a_lookup_branch_joins_the_tree_and_merges_with_an_equal_candidate():
+    cands = [[4, 5], [6, 7], [8, 9]]  # [depth - 1][rank]
+    tree = build_tree(cands, anchor=1, budget=12, rates=TreeRates(), lookup=[5, 3, 2])
+    # the lookup's first token is the drafter's rank-1 candidate at depth 1: one node, the chain goes on below it
+    five = next(i for i in range(1, len(tree)) if tree.tokens[i] == 5 and tree.parents[i] == 0)
+    three = next(i for i in range(len(tree)) if tree.tokens[i] == 3)
+    assert tree.parents[three] == five and tree.ranks[three] == LOOKUP and tree.depths[three] == 2
+    assert sum(1 for c in tree.children(0) if tree.tokens[c] == 5) == 1
+    # unmerged (sampled candidates): the lookup is a separate child, verified first
+    apart = build_tree(cands, anchor=1, budget=12, rates=TreeRates(), lookup=[5, 3, 2], merge=False)
+    kids = apart.children(0)
+    assert apart.ranks[kids[0]] == LOOKUP and [apart.tokens[c] for c in kids].count(5) == 2
+
+
+def test_plans_give_the_expected_tokens_and_drafted_depth_of_the_best_trees():
+    rates = TreeRates()
+    for _ in range(30):  # rank 0 at depth 1 accepted 90%
+        rates.update(Tree([0, 1, 2], [-1, 0, 0], [0, 1, 1], [0, 0, 1]), [0, 1] if _ % 10 else [0])
+    shape = plan_trees(rates, depth=7, budget=16, lookup=3)
+    plan = shape.expected
+    assert plan[0] == 1.0 and all(b >= a for a, b in zip(plan, plan[1:]))
+    assert shape.drafter_depth[0] == 0 and shape.drafter_depth[-1] <= 7
+    tree = build_tree([[10 + 4 * d + r for r in range(4)] for d in range(7)], 0, 16, rates, lookup=[1, 2, 3],
+                      merge=False)
+    for n in (1, 4, 16):
+        assert truncate(tree, n).expected_tokens() == pytest.approx(plan[n - 1])
+        assert max([d for d, r in zip(tree.depths[:n], tree.ranks[:n]) if r != LOOKUP], default=0) == \
+            shape.drafter_depth[n - 1]
+    assert plan[1] == pytest.approx(1 + rates.rate(1, 0))  # the best second node: depth 1's first candidate
+
+
+def test_the_budget_policy_grows_trees_for_a_good_drafter_and_drops_them_for_a_useless_one():
+    from test_adaptive import SimulatedClock
+
+    target = tiny_target("llama")
+    prompt = PROMPTS[1]
+    expected = greedy(Engine(target), prompt, n=120).token_ids
+    good = OracleDraft(tiny_draft(target, block_size=8), expected, len(prompt), 0.8, seed=2)
+    engine = Engine(target, good, clock=SimulatedClock(target, good))
+    got = greedy(engine, prompt, n=120, budget=24, block=None)
+    assert got.token_ids == expected and got.stats.tree_sizes and sum(got.stats.tree_sizes[-5:]) / 5 > 4
+    useless = tiny_draft(target, block_size=8)  # random: accepts ~nothing
+    engine = Engine(target, useless, clock=SimulatedClock(target, useless))
+    got = greedy(engine, prompt, n=120, budget=24, block=None)
+    assert got.token_ids == expected and len(got.stats.tree_sizes) < 20  # mostly plain steps, a few probes
 
 
 def test_an_oracle_tree_accepts_whole_paths():
@@ -77,19 +132,27 @@ def test_an_oracle_tree_accepts_whole_paths():
     assert got.token_ids == expected and max(got.stats.acceptance_lengths) == 8
 
 
-def test_the_cache_after_a_tree_step_equals_a_fresh_prefill():
-    """Compacting to the accepted path leaves exactly the committed sequence's keys and values."""
+@pytest.mark.parametrize("pick", [0, -1])
+def test_the_cache_after_a_tree_step_equals_a_fresh_prefill(pick):
+    """Compacting to the accepted path leaves exactly the committed sequence's keys and values:
+    a path of the first nodes (a crop) and one of later nodes (entries moved)."""
     target = tiny_target("qwen3")
     prompt = PROMPTS[1]
     draft = tiny_draft(target, block_size=8)
     cache = target.new_cache()
     target.forward(torch.tensor([prompt]), cache, logits_at=1)
     logits = torch.randn(7, target.vocab_size)
-    tree = build_tree(logits, anchor=7, budget=12, rates=TreeRates(), width=3)
+    tree = build_tree(draft_candidates(logits, 3, False), anchor=7, budget=12, rates=TreeRates())
     with torch.inference_mode():
         out = target.forward(torch.tensor([tree.tokens]), cache, tree=tree)
-        path = [0] + [c for c in tree.children(0)][:1]
-        path += tree.children(path[-1])[:1]
+        if pick == 0:  # nodes 0, 1, ... while each is the previous one's child
+            path = [0]
+            while len(path) < len(tree) and tree.parents[len(path)] == path[-1]:
+                path.append(len(path))
+        else:  # the last child of the root, then its last child
+            path = [0, tree.children(0)[-1]]
+            path += tree.children(path[-1])[-1:]
+        assert len(path) >= 2 and (path == list(range(len(path)))) == (pick == 0)
         target.keep_path(cache, len(prompt), path)
         committed = prompt + [tree.tokens[i] for i in path]
         fresh = target.new_cache()
@@ -114,13 +177,95 @@ def test_the_cache_after_a_tree_step_equals_a_fresh_prefill():
 def test_trees_are_refused_where_they_cannot_run():
     target = tiny_target("llama")
     engine = Engine(target, tiny_draft(target))
-    from blockdraft.verify import SamplingParams
-
-    with pytest.raises(BlockdraftError, match="greedy only"):
-        engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=4, tree_budget=8,
-                                                    sampling=SamplingParams(temperature=1.0)))
     with pytest.raises(BlockdraftError, match="tree_budget"):
         engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=4, tree_budget=0))
     hybrid = tiny_family("qwen3.5")
     with pytest.raises(BlockdraftError, match="plain attention"):
         Engine(hybrid, tiny_draft(hybrid)).generate([1, 2, 3], GenerationConfig(max_new_tokens=4, tree_budget=8))
+
+
+# --- sampling (T > 0): multi-candidate rejection sampling over the siblings of each node ---
+
+V_TOY, L_TOY = 4, 3
+
+
+def toy_p(context: tuple) -> torch.Tensor:
+    """A toy target: a fixed distribution over 4 tokens for every context (sharp and varied)."""
+    g = torch.Generator().manual_seed(hash(context) % (2**31))
+    return torch.softmax(2.0 * torch.randn(V_TOY, generator=g), -1)
+
+
+def exact_joint() -> torch.Tensor:
+    joint = torch.zeros([V_TOY] * L_TOY)
+    for idx in torch.cartesian_prod(*[torch.arange(V_TOY)] * L_TOY).tolist():
+        prob, ctx = 1.0, ()
+        for t in idx:
+            prob *= float(toy_p(ctx)[t])
+            ctx += (t,)
+        joint[tuple(idx)] = prob
+    return joint
+
+
+def sample_toy(draws: int, sampled: bool, lookup: bool, wrong_rule: bool = False, seed: int = 0) -> torch.Tensor:
+    """The first 3 tokens of `draws` generations by tree steps of 8 nodes over a 3-deep block."""
+    from blockdraft import tree as tree_mod
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(3, V_TOY, generator=torch.Generator().manual_seed(99)), -1)  # [D, V] far from p
+    rates = TreeRates()
+    proposal = tree_mod._proposal
+    if wrong_rule:  # forget that later siblings were drawn without the earlier ones
+        tree_mod._proposal = lambda t, c: None if t.q is None or t.ranks[c] == LOOKUP else t.q[t.depths[c] - 1]
+    counts = torch.zeros([V_TOY] * L_TOY)
+    try:
+        for _ in range(draws):
+            out: list[int] = []
+            while len(out) < L_TOY:
+                cands = draft_candidates(q, 3, True, gen) if sampled else draft_candidates(q, 3, False)
+                branch = [(len(out) + k) % V_TOY for k in range(3)] if lookup else []
+                tree = build_tree(cands, -1, 8, rates, branch, merge=not sampled, q=q if sampled else None)
+
+                def p_at(i, tree=tree, out=out):
+                    toks = []
+                    while i > 0:
+                        toks.append(tree.tokens[i])
+                        i = tree.parents[i]
+                    return toy_p(tuple(out + toks[::-1]))
+
+                v = verify_tree_sampled(tree, p_at, gen)
+                rates.update(tree, v.path)
+                out += [tree.tokens[i] for i in v.path[1:]] + [v.next_token]
+            counts[tuple(out[:L_TOY])] += 1
+    finally:
+        tree_mod._proposal = proposal
+    return counts
+
+
+@pytest.mark.parametrize("sampled,lookup", [(True, False), (False, False), (True, True), (False, True)])
+def test_tree_sampling_preserves_the_target_distribution(sampled, lookup):
+    """The joint law of the first three committed tokens equals the target's, computed exactly,
+    for candidates drawn from q without replacement and for q's top tokens (one-hot proposals),
+    with and without a lookup branch; trees of 8 nodes, q far from p, rates learned on the way."""
+    counts = sample_toy(12000, sampled, lookup)
+    # 12000 draws over 64 outcomes: sampling noise gives TV ~0.03
+    assert total_variation(counts.flatten(), exact_joint().flatten()) < 0.05
+
+
+def test_tree_tv_detects_a_wrong_rule():
+    """The statistic can fail: treating every sibling as drawn from the whole q biases the law."""
+    counts = sample_toy(12000, True, False, wrong_rule=True)
+    assert total_variation(counts.flatten(), exact_joint().flatten()) > 0.1  # measured: 0.19
+
+
+def test_a_seed_makes_tree_sampling_reproducible_across_requests():
+    """Rates learned by one request must not change another's draws: a seeded request starts fresh."""
+    from blockdraft.verify import SamplingParams
+
+    target = tiny_target("qwen3")
+    engine = Engine(target, tiny_draft(target))
+    cfg = GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree_budget=12,
+                           sampling=SamplingParams(1.0, 0, 0.9, seed=7))
+    first = engine.generate([4, 5, 6], cfg)
+    engine.generate([9, 9, 9, 9], GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree_budget=12,
+                                                   sampling=SamplingParams(1.0)))  # unseeded, adaptive
+    assert engine.generate([4, 5, 6], cfg).token_ids == first.token_ids and first.stats.tree_sizes

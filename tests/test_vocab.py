@@ -64,17 +64,17 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     truth = plain.generate(prompt, cfg).token_ids
     draft = tiny_draft(target, block_size=6)
     draft.vocab_ids = most_frequent([truth], 12, VOCAB)  # the subset holds much of the output
-    import blockdraft.decoding as decoding
+    from blockdraft.propose import Proposers
 
     proposed = []
-    real = decoding.propose
+    real = Proposers.propose_chain
 
-    def spy(logits, config, gen):
-        drafts, q = real(logits, config, gen)
-        proposed.extend(drafts.tolist())
-        return drafts, q
+    def spy(self, logits, gen):
+        proposal = real(self, logits, gen)
+        proposed.extend(proposal.drafts.tolist())
+        return proposal
 
-    monkeypatch.setattr(decoding, "propose", spy)
+    monkeypatch.setattr(Proposers, "propose_chain", spy)
     got = Engine(target, draft).generate(prompt, cfg)
     assert got.token_ids == truth
     assert proposed and set(proposed) <= set(draft.vocab_ids.tolist())
