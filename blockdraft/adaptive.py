@@ -127,7 +127,7 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
         self.expected = expected
 
     def expected_tokens(self, block: int) -> float:
-        return self.expected[block - 1] if self.expected else 1.0 + 0.5 * (block > 1)
+        return self.expected[block - 1]
 
     def update(self, block: int, accepted: int, seconds: float) -> None:
         self.record(block, accepted, seconds)  # acceptance is learned by the tree's rates

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .decoding import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats
+from .decoding import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats, add_counts
 from .errors import BlockdraftError
 from .kernels import use_packed
 from .oracle import OracleDraft
@@ -160,10 +160,7 @@ def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -
     res.drafted += out.stats.drafted
     res.accepted += out.stats.accepted
     res.tree_sizes += out.stats.tree_sizes
-    for d, c in enumerate(out.stats.tree_nodes_by_depth):
-        if d == len(res.tree_nodes_by_depth):
-            res.tree_nodes_by_depth.append(0)
-        res.tree_nodes_by_depth[d] += c
+    add_counts(res.tree_nodes_by_depth, out.stats.tree_nodes_by_depth)
     for phase, seconds in out.stats.step_seconds.as_dict().items():
         res.step_seconds[phase] = res.step_seconds.get(phase, 0.0) + seconds
     return out.token_ids

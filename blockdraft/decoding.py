@@ -68,6 +68,13 @@ class StepSeconds:
         return {k: v for k, v in vars(self).items() if k != "mark"}
 
 
+def add_counts(total: list[int], counts: list[int]) -> None:
+    """total[i] += counts[i], total growing as needed (nodes per depth summed over trees)."""
+    total.extend([0] * (len(counts) - len(total)))
+    for i, c in enumerate(counts):
+        total[i] += c
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -84,10 +91,7 @@ class GenerationStats:
 
     def count_tree(self, tree: Tree) -> None:
         self.tree_sizes.append(len(tree))
-        for d, n in enumerate(tree.shape()):
-            if d == len(self.tree_nodes_by_depth):
-                self.tree_nodes_by_depth.append(0)
-            self.tree_nodes_by_depth[d] += n
+        add_counts(self.tree_nodes_by_depth, tree.shape())
 
     @property
     def tau(self) -> float:

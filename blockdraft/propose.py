@@ -17,7 +17,7 @@ import torch
 
 from .adaptive import AdaptiveBlockPolicy, TreeBudgetPolicy
 from .lookup import lookup_proposals
-from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
+from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees
 from .verify import SamplingParams, probs_from_logits, sample
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
@@ -137,6 +137,5 @@ class Proposers:
             q = probs_from_logits(draft_logits, self.sampling)  # [D, V]
             cands = draft_candidates(q, WIDTH, True, gen)
             tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
-        tree = truncate(tree, size)
         drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_logits.device)
         return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
