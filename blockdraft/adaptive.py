@@ -96,14 +96,18 @@ class AdaptiveBlockPolicy:
         return best
 
     def update(self, block: int, accepted: int, seconds: float) -> None:
-        """Record a step: drafts 1..accepted passed, draft accepted+1 (if any) failed."""
+        """Record a step: its acceptance and its cost."""
+        self.learn(block, accepted)
+        self.record(block, accepted, seconds)
+
+    def learn(self, block: int, accepted: int) -> None:
+        """Drafts 1..accepted passed, draft accepted+1 (if any) failed."""
         for j in range(1, min(accepted + 2, block)):
             self.tried[j] += 1
             self.passed[j] += 1.0 if j <= accepted else 0.0
             if self.tried[j] > self.memory:
                 self.tried[j] //= 2
                 self.passed[j] /= 2
-        self.record(block, accepted, seconds)
 
     def record(self, block: int, accepted: int, seconds: float) -> None:
         """A step's cost, and whether a probe paid (the part of `update` any acceptance model shares)."""
@@ -129,5 +133,20 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
     def expected_tokens(self, block: int) -> float:
         return self.expected[block - 1]
 
-    def update(self, block: int, accepted: int, seconds: float) -> None:
-        self.record(block, accepted, seconds)  # acceptance is learned by the tree's rates
+    def learn(self, block: int, accepted: int) -> None:
+        pass  # acceptance is learned by the tree's rates
+
+
+def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> AdaptiveBlockPolicy:
+    """The block choice for steps over `batch` sequences at once (decoding.Batch): the drafter's
+    acceptance is the chain's (it does not depend on the load), learned by every step whatever its
+    batch; the cost of a step is measured for each batch size apart, since one forward over B
+    blocks of b tokens costs neither B times nor once a forward of b. So a lone request
+    speculates as wide as pays, and a full batch narrows down to plain steps where that pays."""
+    key = ("load", chain.max_block, batch)
+    policy = policies.get(key)
+    if policy is None:
+        policy = policies[key] = AdaptiveBlockPolicy(chain.max_block)
+        policy.tried, policy.passed = chain.tried, chain.passed  # the same lists: shared acceptance
+    return policy
+

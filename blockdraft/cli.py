@@ -1,5 +1,5 @@
-"""The `blockdraft` command: generate, chat, serve, init, data, train, vocab, bench, tau. Each
-subcommand is one typed function."""
+"""The `blockdraft` command: generate, chat, serve, init, data, train, vocab, bench, bench-serve,
+tau. Each subcommand is one typed function (bench-serve's lives in benchserve.py)."""
 
 from __future__ import annotations
 
@@ -236,7 +236,8 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
 
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
               max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True,
-              dtype: str = "auto", draft_dtype: str = "auto") -> None:
+              dtype: str = "auto", draft_dtype: str = "auto", max_batch: int = 16,
+              max_step_tokens: int | None = None) -> None:
     import os
 
     try:
@@ -247,11 +248,12 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
         raise BlockdraftError(f"serving needs the 'serve' extra: pip install 'blockdraft[serve]' ({err})") from err
     if not 1 <= port <= 65535:
         raise BlockdraftError(f"--port must be in [1, 65535] (got {port})")
-    if max_queue < 1 or default_max_tokens < 1:
-        raise BlockdraftError("--max-queue and --default-max-tokens must be positive")
+    if max_queue < 1 or default_max_tokens < 1 or max_batch < 1 or (max_step_tokens is not None and max_step_tokens < 1):
+        raise BlockdraftError("--max-queue, --default-max-tokens, --max-batch and --max-step-tokens must be positive")
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype)
-    app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup)
+    app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
+                     max_step_tokens)
     print(f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
           f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
@@ -310,6 +312,12 @@ def cmd_vocab(draft: str, size: int, data: str | None, source: str | None, limit
     save_vocab(draft, ids, vocab)
     print(f"{Path(draft) / VOCAB_FILE}: {len(ids)} of {vocab} tokens, covering {coverage(lists, ids):.1%} "
           f"of the {sum(len(x) for x in lists)} counted tokens")
+
+
+def _bench_serve(**kwargs) -> None:
+    from .benchserve import cmd_bench_serve
+
+    cmd_bench_serve(**kwargs)
 
 
 def cmd_train(resume: bool, **kwargs) -> None:
@@ -463,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id clients ask for (default: --target)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond it: 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
+    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together, continuously batched "
+                   "(1: one at a time)")
+    s.add_argument("--max-step-tokens", type=int, default=None,
+                   help="tokens one decode step may verify, the whole batch together (default: no cap)")
     _add_lookup_arg(s)
     _add_dtype_args(s)
     s.add_argument("--device", default=None)
@@ -476,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--limit", type=int, default=20000, help="with --source: answers to count")
     v.add_argument("--target", default="smollm2-135m", help="with --source: whose tokenizer counts")
 
+    from .benchserve import add_parser as add_bench_serve  # stdlib imports only, like this module
+
+    _add_dtype_args(add_bench_serve(sub))
+
     t = sub.add_parser("train", help="train a drafter on data from `blockdraft data`")
     _add_train_args(t)
     return p
@@ -487,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "init": cmd_init,
                     "data": cmd_data, "train": cmd_train, "bench": cmd_bench,
-                    "tau": cmd_tau, "vocab": cmd_vocab}
+                    "tau": cmd_tau, "vocab": cmd_vocab, "bench-serve": _bench_serve}
         commands[command](**args)
     except BlockdraftError as err:
         print(f"blockdraft {command}: error: {err}", file=sys.stderr)

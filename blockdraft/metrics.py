@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -60,7 +62,8 @@ class Metrics:
         self.tau.observe(tau)
         self.latency.observe(seconds)
 
-    def render(self, queue_depth: int, running: int, cancelled: int) -> str:
+    def render(self, queue_depth: int, running: int, cancelled: int, extra: list[Histogram] = ()) -> str:
+        """The text format; `extra`: histograms kept elsewhere (the scheduler's, per step)."""
         lines = ["# HELP blockdraft_requests_total Requests by endpoint and HTTP status.",
                  "# TYPE blockdraft_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):
@@ -70,8 +73,10 @@ class Metrics:
             ("blockdraft_completion_tokens_total", self.completion_tokens, "counter", "Generated tokens."),
             ("blockdraft_cancelled_total", cancelled, "counter", "Requests whose client left before the end."),
             ("blockdraft_queue_depth", queue_depth, "gauge", "Requests waiting for the engine."),
-            ("blockdraft_running", running, "gauge", "Requests being decoded (0 or 1)."),
+            ("blockdraft_running", running, "gauge", "Requests being decoded (the batch)."),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += self.tau.render() + self.latency.render()
+        for h in extra:
+            lines += h.render()
         return "\n".join(lines) + "\n"

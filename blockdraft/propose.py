@@ -81,8 +81,11 @@ class Proposers:
                 p.tree = policies.setdefault(key, TreeBudgetPolicy(config.tree_budget))
         return p
 
-    def propose_lookup(self, history: list[int], room: int, device) -> Proposal | None:
-        """Prompt-lookup tokens where they are expected to pay, else None."""
+    def propose_lookup(self, history: list[int], room: int, device, batched: bool = False) -> Proposal | None:
+        """Prompt-lookup tokens where they are expected to pay, else None. `batched`: the step is
+        one of several sequences whose block the batch chose (`room`); the lookup's tokens are
+        free there (no draft forward), so they go instead of the drafter's where they are expected
+        to yield as many tokens."""
         found = lookup_proposals(history, min(self.lookup_block, room) - 1) if self.lookup_block > 1 else None
         if not found:
             return None
@@ -90,6 +93,12 @@ class Proposers:
         if self.lookup_adaptive:
             key = (found.ngram, self.lookup_block)
             policy = self.lookup.setdefault(key, AdaptiveBlockPolicy(self.lookup_block))
+        if batched:
+            tokens = found.tokens
+            if policy is not None and self.chain is not None and \
+                    policy.expected_tokens(1 + len(tokens)) < self.chain.expected_tokens(room):
+                return None
+            return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
         tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens
         if tokens and policy is not None and self.chain is not None:
             # the alternative is the drafter's block, not a plain step: verify the lookup only if
@@ -118,12 +127,15 @@ class Proposers:
         q = probs_from_logits(draft_logits, self.sampling)
         return Proposal(sample(q, gen), q, policy=self.chain, ran_draft=True)
 
-    def tree_size(self, depth: int, lookup: list[int]) -> tuple[int, int]:
-        """This step's node budget (fixed, or the policy's best for the expected value of each n)
-        and the block positions the drafter must propose for it (at most `depth`)."""
+    def tree_size(self, depth: int, lookup: list[int], cap: int | None = None) -> tuple[int, int]:
+        """This step's node budget (fixed, or the policy's best for the expected value of each n,
+        or a batch's choice `cap`) and the block positions the drafter must propose for it (at
+        most `depth`)."""
         plan = plan_trees(self.rates, depth, self.tree_budget, WIDTH, len(lookup))
         if self.tree is None:
             size = self.tree_budget
+        elif cap is not None:
+            size = min(cap, self.tree_budget)
         else:
             self.tree.plan(plan.expected)
             size = self.tree.choose()

@@ -1,9 +1,13 @@
-"""One engine, many clients: a FIFO queue in front of a single engine worker thread.
+"""One engine, many clients: a FIFO queue in front of one engine worker thread that decodes a
+continuous batch (decoding.Batch).
 
-The engine decodes one request at a time (its caches are per request), so requests never
-interfere: each waits its turn in arrival order, then runs alone to the end. A request whose
-client has gone is dropped from the queue at once, or stopped after the current step if it is
-running. The worker reports to the asyncio side through `loop.call_soon_threadsafe`.
+Between two steps the worker admits waiting requests, in arrival order, up to `max_batch`
+sequences (a target whose cache is not slots of plain attention decodes one at a time); each
+admitted request is prefilled alone, then joins the next step. A request leaves the batch when it
+stops, or after the current step when its client has gone (a waiting one is dropped from the
+queue at once). A step that fails ends the requests in it with an error, never the worker. The
+worker reports to the asyncio side through `loop.call_soon_threadsafe`; the step histograms are
+read by /metrics under a lock.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .decoding import Engine, GenerationConfig, GenerationStats, TextStream
+from .decoding import Engine, GenerationConfig, GenerationStats, Sequence, TextStream
+from .metrics import BATCH_BUCKETS, STEP_TOKEN_BUCKETS, Histogram
 
 
 @dataclass
@@ -52,15 +57,31 @@ class Job:
             self.cancelled.set()
 
 
+@dataclass
+class _Active:
+    """A request in the batch: its job, its decoding state and the text streamed so far."""
+
+    job: Job
+    seq: Sequence
+    text: TextStream
+    stats: GenerationStats
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int = 64):
+    def __init__(self, engine: Engine, max_queue: int = 64, max_batch: int = 16, max_step_tokens: int | None = None):
         self.engine = engine
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self.running: Job | None = None
+        self.active: list[_Active] = []
         self.cancelled_total = 0
+        self.lock = threading.Lock()  # the step histograms, written here and read by /metrics
+        self.batch_sizes = Histogram("blockdraft_batch_size", "Sequences in each decode step.", BATCH_BUCKETS)
+        self.step_tokens = Histogram("blockdraft_step_tokens", "Tokens the target verified per decode step, "
+                                     "all sequences together.", STEP_TOKEN_BUCKETS)
         self._thread = threading.Thread(target=self._work, name="blockdraft-engine", daemon=True)
 
     def start(self) -> None:
@@ -72,16 +93,21 @@ class Scheduler:
             for job in self._queue:
                 job.cancelled.set()
             self._queue.clear()
-            if self.running is not None:
-                self.running.cancelled.set()
+            for a in self.active:
+                a.job.cancelled.set()
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
     @property
     def depth(self) -> int:
-        """Requests waiting, not counting the one running."""
+        """Requests waiting, not counting those being decoded."""
         return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        """Requests being decoded (the batch)."""
+        return len(self.active)
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full (the caller answers 429)."""
@@ -93,7 +119,7 @@ class Scheduler:
             return True
 
     def cancel(self, job: Job) -> None:
-        """The client left: free its place now, or stop it after the current step."""
+        """The client left: free its place now, or take it out of the batch after the current step."""
         with self._cv:
             if job.cancelled.is_set():
                 return
@@ -103,35 +129,66 @@ class Scheduler:
                 self._queue.remove(job)
 
     def _work(self) -> None:
+        batch = self.engine.batch(self.max_step_tokens)
+        cap = min(self.max_batch, batch.capacity or self.max_batch)
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue and not self.active and not self._closed:
                     self._cv.wait()
                 if self._closed:
                     return
-                job = self._queue.popleft()
-                self.running = job
+                admitted = []
+                while self._queue and len(self.active) + len(admitted) < cap:
+                    admitted.append(self._queue.popleft())
+            for job in admitted:
+                self._admit(batch, job)
+            for a in [a for a in self.active if a.job.cancelled.is_set()]:
+                self._drop(batch, a)
+            if not batch.sequences:
+                continue
             try:
-                self._run(job)
-            except Exception as err:  # a failure ends this request, never the worker
-                job.report("error", f"{type(err).__name__}: {err}")
-            finally:
-                with self._cv:
-                    self.running = None
+                steps = batch.step()
+            except Exception as err:  # a failure ends the requests in this step, never the worker
+                for a in list(self.active):
+                    a.job.report("error", f"{type(err).__name__}: {err}")
+                    self._drop(batch, a)
+                batch = self.engine.batch(self.max_step_tokens)
+                continue
+            with self.lock:
+                self.batch_sizes.observe(len(steps))
+                self.step_tokens.observe(sum(1 + st.num_drafted for _, st in steps))
+            by_seq = {id(a.seq): a for a in self.active}
+            for seq, step in steps:
+                self._deliver(batch, by_seq[id(seq)], step.tokens)
 
-    def _run(self, job: Job) -> None:
+    def _admit(self, batch, job: Job) -> None:
+        """Prefill a request and add it to the batch (or finish it, if its first token ends it)."""
         stats = GenerationStats()
-        text = TextStream(self.engine.target.tokenizer, job.config.stop_strings)
-        steps = self.engine.stream(job.prompt_ids, job.config, stats)
-        for step in steps:
-            if job.cancelled.is_set():
-                steps.close()
-                return
-            delta = text.push(step.tokens)
-            if delta:
-                job.report("delta", delta)
-        rest = text.finish()
+        try:
+            seq, first = batch.join(job.prompt_ids, job.config, stats)
+        except Exception as err:  # only this request fails (the server checked it already)
+            job.report("error", f"{type(err).__name__}: {err}")
+            return
+        a = _Active(job, seq, TextStream(self.engine.target.tokenizer, job.config.stop_strings), stats)
+        with self._cv:
+            self.active.append(a)
+        self._deliver(batch, a, first.tokens)
+
+    def _deliver(self, batch, a: _Active, tokens: list[int]) -> None:
+        delta = a.text.push(tokens)
+        if delta:
+            a.job.report("delta", delta)
+        if not a.seq.done:
+            return
+        rest = a.text.finish()
         if rest:
-            job.report("delta", rest)
-        job.report("done", Completion(text.text, stats.finish_reason or "length", len(job.prompt_ids),
-                                      len(text.tokens), stats))
+            a.job.report("delta", rest)
+        a.job.report("done", Completion(a.text.text, a.stats.finish_reason or "length", len(a.job.prompt_ids),
+                                        len(a.text.tokens), a.stats))
+        self._drop(batch, a)
+
+    def _drop(self, batch, a: _Active) -> None:
+        if a.seq in batch.sequences:
+            batch.leave(a.seq)
+        with self._cv:
+            self.active.remove(a)

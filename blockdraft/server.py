@@ -3,7 +3,8 @@
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with
 `stream: true` as server-sent events in OpenAI's chunk format), GET /metrics (Prometheus text).
 Requests are checked here, before they queue, so bad input gets a 4xx with an OpenAI-shaped error
-body and never reaches the engine; scheduling is in scheduler.py (FIFO, one engine worker).
+body and never reaches the engine; scheduling is in scheduler.py (FIFO into a continuous batch,
+one engine worker).
 Speculative statistics ride along in an extra `blockdraft` field of each final response.
 """
 
@@ -160,8 +161,11 @@ def _usage(c: Completion) -> dict:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
-               default_max_tokens: int = 256, lookup: bool = True) -> FastAPI:
-    scheduler = Scheduler(engine, max_queue)
+               default_max_tokens: int = 256, lookup: bool = True, max_batch: int = 16,
+               max_step_tokens: int | None = None) -> FastAPI:
+    """`max_batch`: requests decoded together (1: one at a time); `max_step_tokens`: tokens one
+    step may verify over the whole batch (None: no cap beyond the blocks' own)."""
+    scheduler = Scheduler(engine, max_queue, max_batch, max_step_tokens)
     metrics = Metrics()
     created = int(time.time())
 
@@ -201,7 +205,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "queue_depth": scheduler.depth,
-                "running": scheduler.running is not None}
+                "running": scheduler.running, "max_batch": scheduler.max_batch}
 
     @app.get("/v1/models")
     async def models():
@@ -211,8 +215,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(scheduler.depth, int(scheduler.running is not None),
-                                                scheduler.cancelled_total),
+        with scheduler.lock:
+            text = metrics.render(scheduler.depth, scheduler.running, scheduler.cancelled_total,
+                                  [scheduler.batch_sizes, scheduler.step_tokens])
+        return PlainTextResponse(text,
                                  media_type="text/plain; version=0.0.4")
 
     async def serve(request: Request, chat: bool):

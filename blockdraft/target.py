@@ -58,6 +58,7 @@ class TargetOutput:
     taps: torch.Tensor | None  # [B, T, K*H]: tapped layers' outputs, concatenated on the last dim
     head: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden [..., H] -> logits [..., V]
     full_logits: torch.Tensor | None = None  # [B, n_keep, V], when the model's head could not be split off
+    first_rows: torch.Tensor | None = None  # [c, V] logits of the first sequence's rows 0..c-1, computed already
 
     @property
     def logits(self) -> torch.Tensor:
@@ -70,7 +71,24 @@ class TargetOutput:
         """The logits [stop - start, V] of kept rows start..stop-1 of the first sequence."""
         if self.full_logits is not None:
             return self.full_logits[0, start:stop]
+        if self.first_rows is not None and stop <= self.first_rows.shape[0]:
+            return self.first_rows[start:stop]
         return self.head(self.hidden[0, start:stop])
+
+    def sequences(self, first: int) -> list["TargetOutput"]:
+        """Each sequence's part of a batch forward, as a forward of its own. The head runs once
+        for every sequence's first `first` rows together (every verdict reads them; one call
+        reads the head's weights once where B calls would read them B times)."""
+        rows = None
+        if self.full_logits is None and self.hidden is not None:
+            rows = self.head(self.hidden[:, :first])  # [B, first, V]
+
+        def part(t, b):
+            return None if t is None else t[b:b + 1]
+
+        batch = (self.hidden if self.hidden is not None else self.full_logits).shape[0]
+        return [TargetOutput(part(self.hidden, b), part(self.taps, b), self.head, part(self.full_logits, b),
+                             None if rows is None else rows[b]) for b in range(batch)]
 
 
 class Target:
@@ -236,6 +254,8 @@ class Target:
         tap_layer_ids: list[int] | None = None,
         logits_at: int | None = None,
         tree=None,
+        slot_positions: torch.Tensor | None = None,
+        slot_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run `input_ids` at the positions right after what `cache` holds (a hybrid target's
         pending tokens first, see `rollback`; their rows are not returned).
@@ -261,6 +281,8 @@ class Target:
             mask = torch.cat([seen, tree.attention_mask()], dim=1).to(ids.device)  # [N, start + N]
             args.update(attention_mask=mask[None, None],
                         position_ids=start + torch.tensor([tree.depths], device=ids.device))
+        if slot_positions is not None:
+            args.update(position_ids=slot_positions, attention_mask=slot_mask)
         if self.head_splits:
             out = self.model.base_model(**args)
             hidden, logits = out.last_hidden_state[:, out.last_hidden_state.shape[1] - keep:], None

@@ -27,28 +27,7 @@ PROMPTS = ["What is the capital of France?", "List three colors.", "Write a haik
            "Say hello in Spanish."]
 
 
-class ServerThread:
-    """uvicorn on a free loopback port in a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
+from blockdraft.benchserve import ServerThread  # noqa: E402  (uvicorn on a free loopback port)
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +105,16 @@ def test_32_concurrent_requests_all_correct(server, engine):
                                             max_tokens=8, temperature=0) for i in range(32)]
         return await asyncio.gather(*calls)
 
+    before = httpx.get(server.url + "/metrics").text
     results = asyncio.run(burst())
     for i, r in enumerate(results):
         assert r.choices[0].message.content == expected[PROMPTS[i % 4]]
+    after = httpx.get(server.url + "/metrics").text
+    # the requests were decoded together: steps of more than one sequence ran
+    steps = _metric(after, "blockdraft_batch_size_count") - _metric(before, "blockdraft_batch_size_count")
+    alone = _metric(after, 'blockdraft_batch_size_bucket{le="1"}') - _metric(before, 'blockdraft_batch_size_bucket{le="1"}')
+    assert steps > 0 and alone < steps
+    assert _metric(after, "blockdraft_step_tokens_count") == _metric(after, "blockdraft_batch_size_count")
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["queue_depth"] == 0
     metrics = httpx.get(server.url + "/metrics").text
@@ -157,7 +143,7 @@ def test_disconnect_mid_stream_frees_the_engine(server):
 
 
 def _metric(text: str, name: str) -> float:
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
 BAD = [  # (endpoint, body, status, param)
@@ -205,21 +191,28 @@ def test_unknown_route_and_method_are_4xx(server):
 
 
 class GatedEngine:
-    """The real engine, but each request waits at a gate before its first step: a request that
+    """The real engine, but its batch waits at a gate before each decode step: a request that
     is running stays running until the test opens the gate, whatever the text's length."""
 
     def __init__(self, engine):
         self.engine, self.target, self.draft = engine, engine.target, engine.draft
         self.gate = threading.Event()
 
-    def stream(self, *args):
-        self.gate.wait(timeout=120)
-        yield from self.engine.stream(*args)
+    def batch(self, *args):
+        batch = self.engine.batch(*args)
+        step = batch.step
+
+        def gated_step():
+            self.gate.wait(timeout=120)
+            return step()
+
+        batch.step = gated_step
+        return batch
 
 
 def test_api_key_enforced_and_queue_refuses_beyond_capacity(engine):
     gated = GatedEngine(engine)
-    with ServerThread(create_app(gated, MODEL, api_key="sekrit", max_queue=1)) as srv:
+    with ServerThread(create_app(gated, MODEL, api_key="sekrit", max_queue=1, max_batch=1)) as srv:
         assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
             for path in ("/v1/models", "/metrics"):
@@ -282,3 +275,52 @@ def test_serve_command_with_key_from_environment():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_client_leaving_mid_batch_does_not_disturb_the_others(engine):
+    """Four streaming requests decoded together; one client walks away after its first text.
+    The other three get exactly their texts alone, and the batch empties."""
+    prompts = PROMPTS[1:4]
+    expected = [engine.generate(engine.target.encode_messages([{"role": "user", "content": p}]),
+                                GenerationConfig(max_new_tokens=24)).text for p in prompts]
+    with ServerThread(create_app(engine, MODEL, max_batch=4)) as srv:
+        async def run():
+            ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+            async def full(p):
+                stream = await ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                          max_tokens=24, temperature=0, stream=True)
+                return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+            async def leaver():
+                stream = await ac.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=500,
+                    temperature=0, stream=True)
+                async for ch in stream:
+                    if ch.choices and ch.choices[0].delta.content:
+                        break
+                await stream.close()
+
+            return await asyncio.gather(leaver(), *(full(p) for p in prompts))
+
+        texts = asyncio.run(run())[1:]
+        assert texts == expected
+        deadline = time.time() + 30
+        while httpx.get(srv.url + "/health").json()["running"]:
+            assert time.time() < deadline, "the abandoned request stayed in the batch"
+            time.sleep(0.1)
+        assert _metric(httpx.get(srv.url + "/metrics").text, "blockdraft_cancelled_total") == 1
+
+
+def test_bench_serve_runs_settings_side_by_side(engine, tmp_path):
+    from blockdraft.benchserve import plot_levels, run_levels
+
+    levels = run_levels(PROMPTS, [1, 2], 2, 60.0, 8, engine, MODEL, [1, 2], log=lambda row: None)
+    assert [(v.setting, v.concurrency) for v in levels] == \
+        [("max_batch=1", 1), ("max_batch=2", 1), ("max_batch=1", 2), ("max_batch=2", 2)]
+    for v in levels:
+        assert v.requests == 2 and 2 <= v.tokens <= 16 and v.tokens_per_second > 0
+        assert 0 < v.ttft_p50 <= v.ttft_p99 and v.tpot_p50 is not None
+    assert levels[0].ratio == 1.0 and levels[2].ratio == 1.0
+    plot_levels(levels, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").stat().st_size > 0
