@@ -36,6 +36,7 @@ class AdaptiveBlockPolicy:
     tried: list[int] = field(default_factory=list)  # per position j: steps that reached draft j
     passed: list[float] = field(default_factory=list)  # ... and accepted it
     cost: dict[int, float] = field(default_factory=dict)  # block -> EMA seconds per step
+    prior_cost: dict[int, float] = field(default_factory=dict)  # block -> seconds expected before any measure
     steps_since_probe: int = 0
     interval: int = 0  # current probe interval (starts at probe_every)
     probing: bool = False
@@ -60,13 +61,14 @@ class AdaptiveBlockPolicy:
         """The measured cost of this block, else a straight line between the nearest measured
         blocks on either side (a forward's cost is not smooth in its tokens on a CPU: t(2) may
         cost what t(8) does, so each block is measured once it is ever chosen)."""
-        if block in self.cost:
-            return self.cost[block]
-        below = max((b for b in self.cost if b < block), default=None)
-        above = min((b for b in self.cost if b > block), default=None)
+        known = {**self.prior_cost, **self.cost}  # a measure overrides an expectation
+        if block in known:
+            return known[block]
+        below = max((b for b in known if b < block), default=None)
+        above = min((b for b in known if b > block), default=None)
         if below is None or above is None:
             return None
-        lo, hi = self.cost[below], self.cost[above]
+        lo, hi = known[below], known[above]
         return lo + (hi - lo) * (block - below) / (above - below)
 
     def rate(self, block: int) -> float | None:
@@ -79,16 +81,18 @@ class AdaptiveBlockPolicy:
         return None if None in rates else max(rates)
 
     def choose(self) -> int:
-        # Measure both ends of the cost curve first: the full block, then a plain step.
-        if self.max_block not in self.cost:
+        # Measure both ends of the cost curve first (unless expected already): the full block, then
+        # a plain step.
+        if self.max_block not in self.cost and self.max_block not in self.prior_cost:
             return self.max_block
-        if 1 not in self.cost:
+        if 1 not in self.cost and 1 not in self.prior_cost:
             return 1
         best = max(range(1, self.max_block + 1), key=self.rate)
         if best == 1:
             self.steps_since_probe += 1
-            extra = max(0.0, self.cost[self.max_block] - self.cost[1])
-            floor = math.ceil(extra / (self.probe_budget * self.cost[1])) if self.cost[1] > 0 else 0
+            c1, cmax = self.step_cost(1), self.step_cost(self.max_block)
+            extra = max(0.0, cmax - c1)
+            floor = math.ceil(extra / (self.probe_budget * c1)) if c1 > 0 else 0
             if self.steps_since_probe >= max(self.interval, floor):
                 self.steps_since_probe = 0
                 self.probing = True
@@ -142,11 +146,21 @@ def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> Adapt
     acceptance is the chain's (it does not depend on the load), learned by every step whatever its
     batch; the cost of a step is measured for each batch size apart, since one forward over B
     blocks of b tokens costs neither B times nor once a forward of b. So a lone request
-    speculates as wide as pays, and a full batch narrows down to plain steps where that pays."""
+    speculates as wide as pays, and a full batch narrows down to plain steps where that pays.
+    A new batch size B expects, until it measures them, its nearest smaller neighbour B''s costs:
+    the plain step's as it is (a little low, so it is measured first where it looks best), and
+    what speculating adds over a plain step times B / B' (every sequence drafts, and its block's
+    tokens join the forward). That spares each new batch size a first step of full blocks, and
+    exploring blocks that a neighbour already found not to pay."""
     key = ("load", chain.max_block, batch)
     policy = policies.get(key)
     if policy is None:
         policy = policies[key] = AdaptiveBlockPolicy(chain.max_block)
         policy.tried, policy.passed = chain.tried, chain.passed  # the same lists: shared acceptance
+        smaller = max((b for b in range(1, batch) if b == 1 or ("load", chain.max_block, b) in policies), default=1)
+        near = chain if smaller == 1 else policies[("load", chain.max_block, smaller)]
+        known = {k: near.step_cost(k) for k in range(1, chain.max_block + 1)}
+        plain = known[1]
+        policy.prior_cost = {k: c if plain is None else plain + (c - plain) * batch / smaller
+                             for k, c in known.items() if c is not None}
     return policy
-

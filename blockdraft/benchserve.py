@@ -3,22 +3,27 @@
 N concurrent streaming clients (the official `openai` client) send chat requests over a prompt
 set, and each level reports output tokens per second (all clients together, over the level's
 wall time), time to first token (TTFT), time per output token after the first (TPOT, per
-request) and the gaps between streamed chunks (ITL), at p50 and p99. By default it starts the
-server itself, in this process, once per `--max-batch` setting and concurrency level, and runs
-the settings side by side at each level (`--max-batch 1,16`: one request at a time against the
-continuous batch, on the same engine), printing each one's ratio to the first setting; `--url`
-drives a running server instead. Every level is bounded by a request count and a time limit,
-after a short warm-up that is not counted.
+request) and the gaps between streamed chunks (ITL), at p50 and p99. By default it starts one
+`blockdraft serve` process per `--max-batch` setting (a process of its own, as users run it:
+clients in the server's process would share its interpreter lock and slow its engine) and
+drives the settings side by side at each level (`--max-batch 1,16`: one request at a time
+against the continuous batch), printing each one's ratio to the first setting; `--url` drives
+a running server instead. Every level is bounded by a request count and a time limit, after a
+short warm-up that is not counted. The servers start once and stay up across the levels, so
+their policies learn as a long-running server's do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
-import statistics
+import subprocess
+import sys
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -145,38 +150,64 @@ class ServerThread:
         self.sock.close()
 
 
-def run_levels(prompts: list[str], concurrency: list[int], requests: int | None, max_seconds: float,
-               max_tokens: int, engine=None, model: str = "blockdraft", max_batch: list[int] = (1, 16),
-               url: str | None = None, api_key: str | None = None, log=print) -> list[Level]:
-    """Every concurrency level, each setting side by side (servers started here on `engine`, one
-    per max_batch; or the server at `url`)."""
+class ServerProcess:
+    """`blockdraft serve` in a process of its own on a free loopback port, until the block ends."""
+
+    def __init__(self, args: list[str], log: str | None = None):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.args = [sys.executable, "-m", "blockdraft.cli", "serve", "--port", str(port), *args]
+        self.log = log
+
+    def __enter__(self):
+        import httpx
+
+        self.out = open(self.log, "w") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.args, stdout=self.out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "BLOCKDRAFT_API_KEY": ""})
+        deadline = time.time() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise BlockdraftError(f"the server exited ({' '.join(self.args[3:])})"
+                                      + (f"; its log: {self.log}" if self.log else ""))
+            if time.time() > deadline:
+                self.__exit__()
+                raise BlockdraftError("the server did not come up within 300 s")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.log:
+            self.out.close()
+
+
+def run_levels(servers: list[tuple[str, str]], prompts: list[str], concurrency: list[int], requests: int | None,
+               max_seconds: float, max_tokens: int, model: str, api_key: str | None = None, log=print) -> list[Level]:
+    """Every concurrency level over every server, side by side: `servers` are (setting, URL)."""
     levels = []
     for c in concurrency:
         n = requests or max(4, 2 * c)
         first = None
-        for mb in ([None] if url else max_batch):
-            setting = url if url else f"max_batch={mb}"
-            if url:
-                timings, seconds = _run(url, model, prompts, c, n, max_seconds, max_tokens, api_key)
-            else:
-                from .server import create_app
-
-                app = create_app(engine, model, max_queue=max(64, 2 * c), default_max_tokens=max_tokens,
-                                 max_batch=mb)
-                with ServerThread(app) as srv:
-                    timings, seconds = _run(srv.url, model, prompts, c, n, max_seconds, max_tokens, None)
+        for setting, url in servers:
+            # warm-up, not counted: one short request per client (a batch size's first steps measure its cost)
+            asyncio.run(drive(url, model, prompts, c, c, max_seconds, min(16, max_tokens), api_key))
+            timings, seconds = asyncio.run(drive(url, model, prompts, c, n, max_seconds, max_tokens, api_key))
             level = summarise(setting, c, timings, seconds)
             first = first or level
             level.ratio = level.tokens_per_second / first.tokens_per_second if first.tokens_per_second else None
             levels.append(level)
             log(format_row(level))
     return levels
-
-
-def _run(url, model, prompts, c, n, max_seconds, max_tokens, api_key):
-    # warm-up, not counted: one short request per client (the first steps of a batch size measure its cost)
-    asyncio.run(drive(url, model, prompts, c, c, max_seconds, min(16, max_tokens), api_key))
-    return asyncio.run(drive(url, model, prompts, c, n, max_seconds, max_tokens, api_key))
 
 
 HEADER = (f"{'setting':<14} {'conc':>4} {'reqs':>4} {'tokens':>6} {'tok/s':>7} {'ratio':>6} "
@@ -237,15 +268,27 @@ def cmd_bench_serve(target: str, draft: str | None, url: str | None, model_name:
     if max_new_tokens < 1 or max_seconds <= 0 or (requests is not None and requests < 1):
         raise BlockdraftError("--max-new-tokens, --max-seconds and --requests must be positive")
     prompts = load_prompts(dataset, limit)
-    engine = None
-    if url is None:
-        from .cli import load_engine
-
-        engine = load_engine(target, draft, device, dtype, draft_dtype)
+    model = model_name or (target if url is None else "blockdraft")
     print(HEADER, flush=True)
-    levels = run_levels(prompts, levels_c, requests, max_seconds, max_new_tokens, engine,
-                        model_name or (target if url is None else "blockdraft"), batches, url, api_key,
-                        log=lambda row: print(row, flush=True))
+
+    def run(servers, key):
+        return run_levels(servers, prompts, levels_c, requests, max_seconds, max_new_tokens, model, key,
+                          log=lambda row: print(row, flush=True))
+
+    if url is not None:
+        levels = run([(url, url)], api_key)
+    else:
+        common = ["--target", target, "--model-name", model, "--default-max-tokens", str(max_new_tokens),
+                  "--max-queue", str(max(64, 2 * max(levels_c))), "--dtype", dtype, "--draft-dtype", draft_dtype]
+        common += ["--draft", draft] if draft else []
+        common += ["--device", device] if device else []
+        with ExitStack() as stack:
+            servers = []
+            for mb in batches:
+                log = f"{as_json}.serve{mb}.log" if as_json else None
+                srv = stack.enter_context(ServerProcess(common + ["--max-batch", str(mb)], log))
+                servers.append((f"max_batch={mb}", srv.url))
+            levels = run(servers, None)
     if as_json:
         Path(as_json).write_text(json.dumps({"dataset": dataset, "max_new_tokens": max_new_tokens,
                                              "levels": [asdict(v) for v in levels]}, indent=1) + "\n")

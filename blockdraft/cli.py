@@ -241,9 +241,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     import os
 
     try:
-        import uvicorn
-
-        from .server import create_app
+        from .server import create_app, serve_in_main_thread
     except ImportError as err:
         raise BlockdraftError(f"serving needs the 'serve' extra: pip install 'blockdraft[serve]' ({err})") from err
     if not 1 <= port <= 65535:
@@ -253,10 +251,10 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype)
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
-                     max_step_tokens)
-    print(f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
-          f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+                     max_step_tokens, worker_thread=False)
+    serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
+                         f"({'API key required' if api_key else 'no API key'}; up to {max_batch} requests "
+                         "decoded together)")
 
 
 def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,

@@ -286,15 +286,15 @@ class Batch:
         """The policies learn the step: alone, each its acceptance and the step's cost; together,
         each its acceptance, and the batch's policy what a step of this many cost."""
         for s, p, o in zip(self.sequences, proposals, outcomes):
-            if p.policy is None:
+            if load is not None:
+                if p.policy is not None:
+                    p.policy.learn(p.block, o.accepted)
                 continue
-            if load is None:
+            if p.policy is not None:
                 p.policy.update(p.block, o.accepted, seconds)
-                if p.block == 1:  # a plain step's cost is c(1) of the lookup policies too
-                    for other in s.proposers.lookup.values():
-                        other.update(1, 0, seconds)
-            else:
-                p.policy.learn(p.block, o.accepted)
+            if p.block == 1:  # a plain step's cost is c(1) of the lookup policies too
+                for other in s.proposers.lookup.values():
+                    other.update(1, 0, seconds)
         if load is not None:
             load.record(cap, sum(o.accepted for o in outcomes), seconds)
 

@@ -162,16 +162,19 @@ def _usage(c: Completion) -> dict:
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, lookup: bool = True, max_batch: int = 16,
-               max_step_tokens: int | None = None) -> FastAPI:
+               max_step_tokens: int | None = None, worker_thread: bool = True) -> FastAPI:
     """`max_batch`: requests decoded together (1: one at a time); `max_step_tokens`: tokens one
-    step may verify over the whole batch (None: no cap beyond the blocks' own)."""
+    step may verify over the whole batch (None: no cap beyond the blocks' own). `worker_thread`:
+    the app starts its engine worker in a thread; False: the caller runs `app.state.scheduler.run()`
+    (in the main thread, where the engine runs faster: see scheduler.py)."""
     scheduler = Scheduler(engine, max_queue, max_batch, max_step_tokens)
     metrics = Metrics()
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
-        scheduler.start()
+        if worker_thread:
+            scheduler.start()
         yield
         scheduler.close()
 
@@ -253,6 +256,34 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         return await serve(request, chat=True)
 
     return app
+
+
+def serve_in_main_thread(app: FastAPI, host: str, port: int, banner: str) -> None:
+    """Serve an app made with `worker_thread=False`: HTTP (uvicorn) in a background thread, the
+    engine worker in the calling (main) thread, where its CPU kernels run fastest (scheduler.py),
+    until the HTTP server stops, SIGTERM or Ctrl-C."""
+    import signal
+    import sys
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="blockdraft-http", daemon=True)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise BlockdraftError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.05)
+    print(banner, file=sys.stderr, flush=True)
+    scheduler = app.state.scheduler
+    signal.signal(signal.SIGTERM, lambda *_: scheduler.close_soon())
+    try:
+        scheduler.run()  # until the HTTP server stops (its lifespan closes the scheduler) or a signal
+    finally:
+        server.should_exit = True
+        scheduler.close_soon()
+        http.join(timeout=30)
 
 
 @dataclass

@@ -6,7 +6,7 @@ the longest); the verdict then keeps a row's accepted slots and leaves the rest 
 is order-free over keys (positions are in their RoPE), so a row that sees its valid slots through a
 mask computes what a cache of its own would, up to the rounding of the sums. Holes cost attention
 work, so slots no row holds are cut off the end at once (with one sequence that is every rejected
-draft: the same crop as a cache of its own), and the rows are compacted in place once holes are a
+draft: the same crop as a cache of its own), and the rows are compacted in place once that would cut a
 quarter of the slots (and always with one sequence, which keeps it the single-sequence cache).
 
 With every row full and in step (no holes, equal lengths, chains) the forward passes no mask: the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-COMPACT_AT = 0.25  # compact the rows once holes are this fraction of the slots
+COMPACT_AT = 0.25  # compact the rows once that would cut this fraction of the slots
 
 
 @dataclass
@@ -70,10 +70,12 @@ class OwnCache:
 
 @dataclass
 class SlotCache:
+    """Every sequence of a batch in one cache, a row each (see the module's docstring)."""
+
     kv: object = None  # transformers' DynamicCache of batch B (None while empty)
     valid: torch.Tensor | None = None  # [B, S] bool
     lengths: list[int] = field(default_factory=list)  # valid slots per row
-    holes: bool = False  # some valid row has a hole before its last slot, or rows differ in length
+    holes: bool = False  # some slot of some row is not valid (a hole, or a row shorter than the slots)
     pending = None  # the TargetCache interface Target.forward reads: never pending tokens here
     num_pending = 0
 
@@ -103,7 +105,7 @@ class SlotCache:
         row[0, :n] = True
         self.valid = torch.cat([_pad_mask(self.valid, s), row])
         self.lengths.append(n)
-        self.holes = n != s or not bool(self.valid.all())
+        self.holes = not bool(self.valid.all())
         return self.batch - 1
 
     def leave(self, row: int) -> None:
@@ -171,8 +173,10 @@ class SlotCache:
             for layer in self.kv.layers:
                 layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
             self.valid = self.valid[:, :end]
-        waste = self.batch * self.slots - sum(self.lengths)
-        if waste and (self.batch == 1 or waste >= COMPACT_AT * self.batch * self.slots):
+        # Compacting shortens the rows to the longest one: worth it once that saves COMPACT_AT of
+        # the slots (rows shorter than the longest keep their padding whatever is done).
+        spare = self.slots - max(self.lengths)
+        if spare and (self.batch == 1 or spare >= COMPACT_AT * self.slots):
             self.compact()
         self.holes = not bool(self.valid.all())
 

@@ -194,6 +194,23 @@ def test_the_load_policy_speculates_wide_alone_and_narrows_under_load():
         assert true_rate(batch, chosen[batch]) >= 0.95 * true_rate(batch, best), (batch, chosen, best)
     assert [max(range(1, 17), key=lambda k: true_rate(b, k)) for b in (1, 8, 64)] == [7, 3, 1]
     assert chosen[1] > chosen[8] > chosen[64] == 1, chosen
+    # a new batch size starts from its neighbour's costs: no first step of full blocks
+    assert load_policy(policies, chain, 9).choose() == load_policy(policies, chain, 8).choose() < 16
+
+
+def test_a_batch_policy_chooses_whatever_its_neighbour_has_measured():
+    """A batch forms after the chain measured only some blocks (or none): the choice is a block,
+    never a failed comparison (regression: a step of 16 requests once failed here)."""
+    for measured in ({}, {16: 2.0}, {16: 2.0, 1: 1.0}, {1: 1.0}, {4: 1.5}):
+        policies: dict = {}
+        chain = policies.setdefault(16, AdaptiveBlockPolicy(16))
+        chain.cost.update(measured)
+        for batch in (2, 3, 16):
+            policy = load_policy(policies, chain, batch)
+            for _ in range(20):
+                k = policy.choose()
+                assert 1 <= k <= 16
+                policy.record(k, 0, 1.0 + 0.01 * batch * k)
 
 
 def test_max_step_tokens_caps_a_batch_step():

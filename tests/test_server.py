@@ -315,7 +315,10 @@ def test_a_client_leaving_mid_batch_does_not_disturb_the_others(engine):
 def test_bench_serve_runs_settings_side_by_side(engine, tmp_path):
     from blockdraft.benchserve import plot_levels, run_levels
 
-    levels = run_levels(PROMPTS, [1, 2], 2, 60.0, 8, engine, MODEL, [1, 2], log=lambda row: None)
+    with ServerThread(create_app(engine, MODEL, max_batch=1)) as one, \
+            ServerThread(create_app(engine, MODEL, max_batch=2)) as two:
+        servers = [("max_batch=1", one.url), ("max_batch=2", two.url)]
+        levels = run_levels(servers, PROMPTS, [1, 2], 2, 60.0, 8, MODEL, log=lambda row: None)
     assert [(v.setting, v.concurrency) for v in levels] == \
         [("max_batch=1", 1), ("max_batch=2", 1), ("max_batch=1", 2), ("max_batch=2", 2)]
     for v in levels:
@@ -323,4 +326,20 @@ def test_bench_serve_runs_settings_side_by_side(engine, tmp_path):
         assert 0 < v.ttft_p50 <= v.ttft_p99 and v.tpot_p50 is not None
     assert levels[0].ratio == 1.0 and levels[2].ratio == 1.0
     plot_levels(levels, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_serve_command_starts_its_servers(tmp_path, capsys):
+    """The command as users run it: a server process per setting, a table, the JSON and a plot."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    out = tmp_path / "serve.json"
+    assert main(["bench-serve", "--dataset", str(prompts), "--concurrency", "2", "--max-batch", "1,2",
+                 "--requests", "2", "--max-new-tokens", "6", "--json", str(out), "--plot",
+                 str(tmp_path / "serve.png")]) == 0
+    table = capsys.readouterr().out
+    assert "max_batch=1" in table and "max_batch=2" in table
+    levels = json.loads(out.read_text())["levels"]
+    assert [v["setting"] for v in levels] == ["max_batch=1", "max_batch=2"]
+    assert all(v["requests"] == 2 and v["tokens"] > 0 for v in levels)
     assert (tmp_path / "serve.png").stat().st_size > 0
