@@ -21,7 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -121,33 +120,6 @@ def summarise(setting: str, concurrency: int, timings: list[RequestTiming], seco
     return Level(setting, concurrency, len(timings), tokens, round(seconds, 3), tokens / seconds if seconds else 0.0,
                  percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
                  percentile(gaps, 50), percentile(gaps, 99))
-
-
-class ServerThread:
-    """uvicorn serving an app on a free loopback port, in a background thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise BlockdraftError("the server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
 
 
 class ServerProcess:

@@ -64,7 +64,6 @@ class _Active:
     job: Job
     seq: Sequence
     text: TextStream
-    stats: GenerationStats
 
 
 class Scheduler:
@@ -82,7 +81,7 @@ class Scheduler:
         self.batch_sizes = Histogram("blockdraft_batch_size", "Sequences in each decode step.", BATCH_BUCKETS)
         self.step_tokens = Histogram("blockdraft_step_tokens", "Tokens the target verified per decode step, "
                                      "all sequences together.", STEP_TOKEN_BUCKETS)
-        self._thread = threading.Thread(target=self._work, name="blockdraft-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="blockdraft-engine", daemon=True)
 
     def start(self) -> None:
         """Run the engine worker in a thread of its own (see `run` for the faster alternative)."""
@@ -138,9 +137,6 @@ class Scheduler:
         the main thread: CPU kernels there run up to 2x faster than in a thread started later
         (OpenMP's thread pool waits differently for a thread that is not the initial one;
         measured in docs/serving.md)."""
-        self._work()
-
-    def _work(self) -> None:
         batch = self.engine.batch(self.max_step_tokens)
         cap = min(self.max_batch, batch.capacity or self.max_batch)
         while True:
@@ -175,13 +171,12 @@ class Scheduler:
 
     def _admit(self, batch, job: Job) -> None:
         """Prefill a request and add it to the batch (or finish it, if its first token ends it)."""
-        stats = GenerationStats()
         try:
-            seq, first = batch.join(job.prompt_ids, job.config, stats)
+            seq, first = batch.join(job.prompt_ids, job.config, GenerationStats())
         except Exception as err:  # only this request fails (the server checked it already)
             job.report("error", f"{type(err).__name__}: {err}")
             return
-        a = _Active(job, seq, TextStream(self.engine.target.tokenizer, job.config.stop_strings), stats)
+        a = _Active(job, seq, TextStream(self.engine.target.tokenizer, job.config.stop_strings))
         with self._cv:
             self.active.append(a)
         self._deliver(batch, a, first.tokens)
@@ -195,8 +190,9 @@ class Scheduler:
         rest = a.text.finish()
         if rest:
             a.job.report("delta", rest)
-        a.job.report("done", Completion(a.text.text, a.stats.finish_reason or "length", len(a.job.prompt_ids),
-                                        len(a.text.tokens), a.stats))
+        stats = a.seq.stats
+        a.job.report("done", Completion(a.text.text, stats.finish_reason or "length", len(a.job.prompt_ids),
+                                        len(a.text.tokens), stats))
         self._drop(batch, a)
 
     def _drop(self, batch, a: _Active) -> None:

@@ -40,16 +40,11 @@ class OwnCache:
     def __init__(self, target):
         self.target, self.cache, self.start = target, None, 0  # start: cache length before the forward
 
-    @property
-    def batch(self) -> int:
-        return 0 if self.cache is None else 1
-
-    def join(self, cache) -> int:
+    def join(self, cache) -> None:
         if self.cache is not None:
             raise ValueError(f"target {self.target.name!r} decodes one sequence at a time (its cache "
                              f"holds {sorted(set(self.target.cache_kinds))}, not slots of plain attention)")
         self.cache = cache
-        return 0
 
     def leave(self, row: int) -> None:
         self.cache = None
@@ -57,8 +52,8 @@ class OwnCache:
     def forward(self, target, blocks: list[RowBlock], taps):
         b = blocks[0]
         self.start = self.cache.get_seq_length()
-        ids = torch.tensor([b.ids], dtype=torch.long, device=self.target.device)
-        return self.target.forward(ids, self.cache, taps, tree=b.tree)
+        ids = torch.tensor([b.ids], dtype=torch.long, device=target.device)
+        return target.forward(ids, self.cache, taps, tree=b.tree)
 
     def keep(self, rows: list[list[int]]) -> None:
         kept = rows[0]
@@ -75,7 +70,6 @@ class SlotCache:
     kv: object = None  # transformers' DynamicCache of batch B (None while empty)
     valid: torch.Tensor | None = None  # [B, S] bool
     lengths: list[int] = field(default_factory=list)  # valid slots per row
-    holes: bool = False  # some slot of some row is not valid (a hole, or a row shorter than the slots)
     pending = None  # the TargetCache interface Target.forward reads: never pending tokens here
     num_pending = 0
 
@@ -84,19 +78,24 @@ class SlotCache:
         return len(self.lengths)
 
     @property
+    def holes(self) -> bool:
+        """Some slot of some row is not valid (a hole, or a row shorter than the slots)."""
+        return self.valid is not None and not bool(self.valid.all())
+
+    @property
     def slots(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
     appended: int = 0  # slots the last forward appended to every row
 
-    def join(self, cache) -> int:
+    def join(self, cache) -> None:
         """Add a sequence whose prompt was prefilled into a cache of its own (a TargetCache of
-        batch 1); its row."""
+        batch 1), as the last row."""
         kv = cache.kv
         n = kv.get_seq_length()
         if self.kv is None:
             self.kv, self.valid, self.lengths = kv, torch.ones(1, n, dtype=torch.bool), [n]
-            return 0
+            return
         s = max(self.slots, n)
         for mine, theirs in zip(self.kv.layers, kv.layers):
             mine.keys = torch.cat([_pad(mine.keys, s), _pad(theirs.keys, s)])  # [B + 1, H, S, D]
@@ -105,13 +104,11 @@ class SlotCache:
         row[0, :n] = True
         self.valid = torch.cat([_pad_mask(self.valid, s), row])
         self.lengths.append(n)
-        self.holes = not bool(self.valid.all())
-        return self.batch - 1
 
     def leave(self, row: int) -> None:
         """Drop a row (the sequence finished or was cancelled); later rows move up by one."""
         if self.batch == 1:
-            self.kv, self.valid, self.lengths, self.holes = None, None, [], False
+            self.kv, self.valid, self.lengths = None, None, []
             return
         keep = torch.tensor([r for r in range(self.batch) if r != row])
         for layer in self.kv.layers:
@@ -178,7 +175,6 @@ class SlotCache:
         spare = self.slots - max(self.lengths)
         if spare and (self.batch == 1 or spare >= COMPACT_AT * self.slots):
             self.compact()
-        self.holes = not bool(self.valid.all())
 
     @torch.inference_mode()
     def compact(self) -> None:

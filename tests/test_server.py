@@ -27,7 +27,30 @@ PROMPTS = ["What is the capital of France?", "List three colors.", "Write a haik
            "Say hello in Spanish."]
 
 
-from blockdraft.benchserve import ServerThread  # noqa: E402  (uvicorn on a free loopback port)
+
+
+class ServerThread:
+    """uvicorn on a free loopback port in a background thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
 
 
 @pytest.fixture(scope="module")
