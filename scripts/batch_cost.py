@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from blockdraft.benchdata import load_prompts
+from blockdraft.evaluation.datasets import load_prompts
 from blockdraft.cli import load_engine
-from blockdraft.decoding import GenerationConfig, GenerationStats
+from blockdraft.decoding.engine import GenerationConfig, GenerationStats
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Print the bench's cost model (blockdraft.bench.measure_costs) a few times on the first HumanEval
+"""Print the bench's cost model (blockdraft.evaluation.bench.measure_costs) a few times on the first HumanEval
 prompt: t(1), t_verify(B), t_draft and t(1) / (t_verify(B) + t_draft), the ceiling's factor.
 
     python scripts/cost_model.py [--block-size 16] [--runs 3] [--repeats 9]
@@ -6,8 +6,8 @@ prompt: t(1), t_verify(B), t_draft and t(1) / (t_verify(B) + t_draft), the ceili
 
 import argparse
 
-from blockdraft.bench import measure_costs
-from blockdraft.benchdata import load_prompts
+from blockdraft.evaluation.bench import measure_costs
+from blockdraft.evaluation.datasets import load_prompts
 from blockdraft.cli import load_engine
 
 parser = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from blockdraft.target import Target
+from blockdraft.models.target import Target
 
 
 def main() -> None:

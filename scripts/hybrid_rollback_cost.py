@@ -11,11 +11,11 @@ oracle drafter (each proposal the target's own token with p=0.7; the real draft 
 import torch
 import transformers as tf
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.draft import DraftModel, build_draft_config
-from blockdraft.oracle import OracleDraft
-from blockdraft.profile import format_profile, profile_step
-from blockdraft.target import MAX_PENDING, Target
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models.draft import DraftModel, build_draft_config
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.models.profile import format_profile, profile_step
+from blockdraft.models.target import MAX_PENDING, Target
 
 GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,

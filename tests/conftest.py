@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from blockdraft.draft import DraftModel, build_draft_config
-from blockdraft.target import Target
+from blockdraft.models.draft import DraftModel, build_draft_config
+from blockdraft.models.target import Target
 
 VOCAB = 96
 torch.set_num_threads(1)  # tiny models gain nothing from threads; keeps CI runs steady

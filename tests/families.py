@@ -4,7 +4,7 @@ classes, never forked), plus a few the engine must refuse. Each is 4 layers, hid
 import torch
 import transformers as tf
 
-from blockdraft.target import Target
+from blockdraft.models.target import Target
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from blockdraft.adaptive import AdaptiveBlockPolicy
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.oracle import OracleDraft
+from blockdraft.decoding.adaptive import AdaptiveBlockPolicy
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.oracle import OracleDraft
 
 from conftest import tiny_draft, tiny_target
 

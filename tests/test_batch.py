@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from blockdraft.adaptive import AdaptiveBlockPolicy, load_policy
-from blockdraft.decoding import Engine, GenerationConfig, GenerationStats
+from blockdraft.decoding.adaptive import AdaptiveBlockPolicy, load_policy
+from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.errors import BlockdraftError
-from blockdraft.slots import RowBlock, SlotCache
-from blockdraft.verify import SamplingParams, probs_from_logits
+from blockdraft.decoding.slots import RowBlock, SlotCache
+from blockdraft.decoding.verify import SamplingParams, probs_from_logits
 
 from conftest import VOCAB, tiny_draft, tiny_target
 from test_sampling import total_variation
@@ -54,7 +54,7 @@ def drive(engine: Engine, requests: list[tuple[list[int], GenerationConfig]], jo
 def test_slot_rows_compute_what_caches_of_their_own_do():
     """Ragged blocks, a tree, holes, compaction and a row leaving: each row's logits equal those
     of the same tokens through a cache of its own."""
-    from blockdraft.tree import Tree
+    from blockdraft.decoding.tree import Tree
 
     target = tiny_target("llama")
     slots, own = SlotCache(), []

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from blockdraft import bench
-from blockdraft.benchdata import load_prompts
+from blockdraft.evaluation import bench
+from blockdraft.evaluation.datasets import load_prompts
 from blockdraft.errors import BlockdraftError
 
 from conftest import tiny_draft, tiny_target
@@ -91,7 +91,7 @@ def test_peer_methods_and_oracle_sweep_give_identical_outputs_and_a_plot(tmp_pat
     assert report["methods"]["hf-pld"]["tau"] is None and report["methods"]["hf-pld"]["tokens"] == 24
     assert report["methods"]["ar+lookup"]["lookup_steps"] > 0  # the repeated prompt gives lookups
     assert len(report["methods"]["ar+lookup"]["acceptance_histogram"]) == 11
-    from blockdraft.benchplot import plot_report
+    from blockdraft.evaluation.plot import plot_report
 
     plot_report({**report, "dataset": "tiny"}, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -132,7 +132,7 @@ def test_a_method_block_size_and_given_references():
     draft = tiny_draft(target, block_size=4)
     prompts = [[1, 2, 3], [4, 5]]
     refs = bench.run_bench(target, None, prompts, ("ar",), max_new_tokens=12, progress=False)
-    from blockdraft.decoding import Engine, GenerationConfig
+    from blockdraft.decoding.engine import Engine, GenerationConfig
 
     truth = [Engine(target).generate(p, GenerationConfig(max_new_tokens=12)).token_ids for p in prompts]
     report = bench.run_bench(target, draft, prompts, ("dflash", "hf", "oracle@1:3", "oracle@1"), max_new_tokens=12,
@@ -168,7 +168,7 @@ def test_tree_methods_report_their_trees_and_the_ceiling_at_their_verify_size(tm
     assert 0 < tree["accepted_per_verified"] <= 1 and "trees" not in chain
     assert sorted(report["cost_model_seconds"]["target_forward_by_tokens"]) == list(range(1, 7))
     assert "trees on" in bench.format_table(report)
-    from blockdraft.benchplot import plot_report, verify_sizes
+    from blockdraft.evaluation.plot import plot_report, verify_sizes
 
     report["methods"]["oracle@0.7+tree3:4"] = {**tree, "tree_budget": 3}  # a third size: the panel is drawn
     assert verify_sizes(report) == {"chain": [(4, "oracle@0.7:4")],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockdraft.cli import load_engine
-from blockdraft.decoding import GenerationConfig
+from blockdraft.decoding.engine import GenerationConfig
 
 pytestmark = pytest.mark.slow
 TURNS = ["What is the capital of France?", "And of Germany?"]

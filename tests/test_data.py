@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from blockdraft import data as D
-from blockdraft.draft import default_target_layer_ids
-from blockdraft.features import CachedFeatures, build_feature_cache, feature_dir
-from blockdraft.target import load_target, resolve_target_path
+from blockdraft.training import data as D
+from blockdraft.models.draft import default_target_layer_ids
+from blockdraft.training.features import CachedFeatures, build_feature_cache, feature_dir
+from blockdraft.models.target import load_target, resolve_target_path
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from blockdraft.checkpoint import load_draft, save_draft
-from blockdraft.draft import DraftCache, default_target_layer_ids
+from blockdraft.models.checkpoint import load_draft, save_draft
+from blockdraft.models.draft import DraftCache, default_target_layer_ids
 
 from conftest import tiny_draft, tiny_target
 
@@ -119,7 +119,7 @@ def test_sliding_window_draft_layers_agree_with_the_reference(tmp_path, causal):
 
 
 def test_a_sliding_window_drafter_decodes_losslessly(tmp_path):
-    from blockdraft.decoding import Engine, GenerationConfig
+    from blockdraft.decoding.engine import Engine, GenerationConfig
 
     target, path = _sliding_drafter(tmp_path)
     cfg = GenerationConfig(max_new_tokens=40, stop_token_ids=(), lookup=False, block_size=8)
@@ -149,7 +149,7 @@ def test_drafter_variants_it_cannot_run_are_refused(tmp_path, change, words):
 
 def test_training_refuses_to_start_from_a_sliding_window_drafter(tmp_path):
     from blockdraft.errors import BlockdraftError
-    from blockdraft.warmstart import init_from_drafter
+    from blockdraft.training.warmstart import init_from_drafter
 
     target, path = _sliding_drafter(tmp_path)
     with pytest.raises(BlockdraftError, match="full bidirectional"):

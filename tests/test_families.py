@@ -5,12 +5,12 @@ rolled back refused before any work (tests/families.py builds the tiny models)."
 import pytest
 import torch
 
-from blockdraft.cache import layer_kinds
-from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.models.cache import layer_kinds
+from blockdraft.decoding.engine import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.oracle import OracleDraft
-from blockdraft.target import Target
-from blockdraft.verify import SamplingParams, probs_from_logits
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.models.target import Target
+from blockdraft.decoding.verify import SamplingParams, probs_from_logits
 
 from conftest import tiny_draft
 from families import REFUSED, REFUSED_BY_PROBE, SLIDING, STATEFUL, SUPPORTED, tiny_family, tiny_model
@@ -107,7 +107,7 @@ def test_a_leaking_rollback_is_caught_by_the_probe(family, monkeypatch):
     """Without putting the snapshot back (the rejected tokens left in the state, as before) the engine must
     refuse the target instead of decoding it wrongly."""
     target = tiny_family(family)
-    monkeypatch.setattr("blockdraft.target.restore", lambda kv, snap: None)  # states left as the block made them
+    monkeypatch.setattr("blockdraft.models.target.restore", lambda kv, snap: None)  # states left as the block made them
     with pytest.raises(BlockdraftError, match="differ from plain decoding"):
         Engine(target)
 
@@ -200,7 +200,7 @@ def test_sampling_keeps_the_exact_distribution(family):
 
 
 def test_drafter_geometry_follows_mla_heads_and_per_type_rope():
-    from blockdraft.draft import build_draft_config
+    from blockdraft.models.draft import build_draft_config
 
     mla = tiny_model("deepseek-v3").config
     cfg = build_draft_config(mla, num_layers=2, block_size=8)
@@ -216,7 +216,7 @@ def test_a_kimi_k25_drafter_has_z_labs_size():
     with the target's YaRN RoPE and the taps it publishes."""
     import transformers as tf
 
-    from blockdraft.draft import DraftModel, build_draft_config
+    from blockdraft.models.draft import DraftModel, build_draft_config
 
     kimi = tf.DeepseekV3Config(hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
                                num_attention_heads=64, num_key_value_heads=64, vocab_size=163840, kv_lora_rank=512,

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from blockdraft.checkpoint import load_draft
+from blockdraft.models.checkpoint import load_draft
 from blockdraft.cli import main
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.target import load_target
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models.target import load_target
 
 from families import tiny_model
 

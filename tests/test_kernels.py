@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.kernels import is_packed, packing_available, prepack, use_packed
-from blockdraft.target import Target
-from blockdraft.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models.kernels import is_packed, packing_available, prepack, use_packed
+from blockdraft.models.target import Target
+from blockdraft.decoding.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
 
 from conftest import tiny_draft, tiny_target
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.lookup import lookup_proposals
-from blockdraft.oracle import OracleDraft
-from blockdraft.verify import SamplingParams, probs_from_logits
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.lookup import lookup_proposals
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.decoding.verify import SamplingParams, probs_from_logits
 
 from conftest import record_draft_contexts, tiny_draft, tiny_target
 from test_sampling import total_variation

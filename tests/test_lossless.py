@@ -2,8 +2,8 @@
 
 import pytest
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.oracle import OracleDraft
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.oracle import OracleDraft
 
 from conftest import record_draft_contexts, tiny_draft, tiny_target
 

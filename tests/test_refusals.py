@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from blockdraft.checkpoint import check_fits, load_draft, save_draft
+from blockdraft.models.checkpoint import check_fits, load_draft, save_draft
 from blockdraft.cli import main, read_prompts
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.draft import build_draft_config
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models.draft import build_draft_config
 from blockdraft.errors import BlockdraftError
-from blockdraft.verify import SamplingParams
+from blockdraft.decoding.verify import SamplingParams
 
 from conftest import tiny_draft, tiny_target
 

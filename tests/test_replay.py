@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.oracle import OracleDraft
-from blockdraft.replay import reference_continuations, replay
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.evaluation.replay import reference_continuations, replay
 
 from conftest import tiny_draft, tiny_target
 
@@ -88,9 +88,9 @@ def test_cli_tau_refuses_bad_input(capsys):
 
 @pytest.mark.slow
 def test_replay_equals_engine_on_smollm2_with_the_bundled_drafter():
-    from blockdraft.checkpoint import load_draft
+    from blockdraft.models.checkpoint import load_draft
     from blockdraft.cli import bundled_drafter
-    from blockdraft.target import load_target
+    from blockdraft.models.target import load_target
 
     if bundled_drafter("smollm2-135m") is None:
         pytest.skip("no bundled drafter")

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.verify import SamplingParams, probs_from_logits, verify_sampled
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.verify import SamplingParams, probs_from_logits, verify_sampled
 
 from conftest import tiny_draft, tiny_target
 

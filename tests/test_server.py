@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from blockdraft.cli import load_engine, main
-from blockdraft.decoding import GenerationConfig
+from blockdraft.decoding.engine import GenerationConfig
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-from blockdraft.server import create_app  # noqa: E402  (needs fastapi, like the two above)
+from blockdraft.serving.server import create_app  # noqa: E402  (needs fastapi, like the two above)
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -336,7 +336,7 @@ def test_a_client_leaving_mid_batch_does_not_disturb_the_others(engine):
 
 
 def test_bench_serve_runs_settings_side_by_side(engine, tmp_path):
-    from blockdraft.benchserve import plot_levels, run_levels
+    from blockdraft.evaluation.bench_serve import plot_levels, run_levels
 
     with ServerThread(create_app(engine, MODEL, max_batch=1)) as one, \
             ServerThread(create_app(engine, MODEL, max_batch=2)) as two:

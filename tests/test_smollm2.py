@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from blockdraft.cli import bundled_drafter, main
-from blockdraft.decoding import Engine, GenerationConfig
-from blockdraft.draft import DraftModel, build_draft_config
-from blockdraft.oracle import OracleDraft
-from blockdraft.target import SMOLLM2_MASK_TOKEN_ID, load_target
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models.draft import DraftModel, build_draft_config
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.models.target import SMOLLM2_MASK_TOKEN_ID, load_target
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_greedy_speculative_equals_plain_on_smollm2(smollm2):
     cfg = build_draft_config(smollm2.config, num_layers=1, block_size=16, mask_token_id=SMOLLM2_MASK_TOKEN_ID)
     drafts = [DraftModel(cfg)]
     if bundled_drafter("smollm2-135m"):
-        from blockdraft.checkpoint import load_draft
+        from blockdraft.models.checkpoint import load_draft
 
         drafts.append(load_draft(bundled_drafter("smollm2-135m")))
     plain = Engine(smollm2)

@@ -2,7 +2,7 @@
 
 import random
 
-from blockdraft.decoding import TextStream, cut_at_stop_string
+from blockdraft.decoding.engine import TextStream, cut_at_stop_string
 
 
 class ByteTokenizer:

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from blockdraft import train as T
-from blockdraft.data import _read_done, load_samples, split_of
-from blockdraft.draft import DraftCache
+from blockdraft.errors import BlockdraftError
+from blockdraft.training import train as T
+from blockdraft.training.data import _read_done, load_samples, split_of
+from blockdraft.models.draft import DraftCache
 
 from conftest import tiny_draft, tiny_target
 
@@ -122,27 +123,59 @@ def test_resume_after_interruption_gives_the_same_next_loss(tiny_run, monkeypatc
         assert cut[step] == pytest.approx(full[step], rel=1e-4), step
 
 
-def test_two_process_ddp_matches_one_process(tiny_run):
-    from safetensors.torch import load_file
-
-    T.train(_cfg(tiny_run, tiny_run / "one", max_steps=3), progress=False)
+def _torchrun(tiny_run, out: str, port: int, *extra: str, steps: int = 3) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "blockdraft.cli", "train", "--data", str(tiny_run / "data"), "--out", str(tiny_run / "two"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "blockdraft.cli", "train", "--data", str(tiny_run / "data"), "--out", str(tiny_run / out),
            "--target", str(tiny_run / "target"), "--num-layers", "2", "--block-size", "6", "--anchors", "4",
-           "--batch-size", "4", "--max-steps", "3", "--lr", "3e-3", "--log-every", "1", "--save-every", "3"]
+           "--batch-size", "4", "--max-steps", str(steps), "--lr", "3e-3", "--log-every", "1", "--save-every", "3",
+           *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[:4000] + "\n...\n" + proc.stderr[-2000:]
-    one = load_file(str(tiny_run / "one" / "drafter" / "model.safetensors"))
-    two = load_file(str(tiny_run / "two" / "drafter" / "model.safetensors"))
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "drafter" / "model.safetensors"))
+
+
+def _assert_same_training(one: dict, two: dict) -> None:
     # fp32 all-reduce order differs from a single sum; Adam amplifies that to ~1e-4 after 3 steps
     # (a wrong shard or normalisation moves weights by ~lr = 3e-3 per step)
+    assert one.keys() == two.keys()
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=1e-3, atol=5e-4)
 
 
+def test_two_process_ddp_matches_one_process(tiny_run):
+    T.train(_cfg(tiny_run, tiny_run / "one", max_steps=3), progress=False)
+    _torchrun(tiny_run, "two", 29517)
+    _assert_same_training(_weights(tiny_run / "one"), _weights(tiny_run / "two"))
+
+
+def test_two_process_fsdp_matches_one_process_and_resumes(tiny_run):
+    """FSDP shards the drafter's weights, gradients and Adam moments over the processes; the run
+    saves whole tensors, so it equals one process, and a sharded run resumes from them."""
+    T.train(_cfg(tiny_run, tiny_run / "one3", max_steps=3), progress=False)
+    _torchrun(tiny_run, "fsdp", 29518, "--parallel", "fsdp")
+    _assert_same_training(_weights(tiny_run / "one3"), _weights(tiny_run / "fsdp"))
+    one_state = T._load_state(tiny_run / "one3" / "state")
+    fsdp_state = T._load_state(tiny_run / "fsdp" / "state")
+    assert fsdp_state[3] == 3
+    for idx, st in one_state[1]["state"].items():  # the Adam moments, gathered whole
+        torch.testing.assert_close(st["exp_avg"], fsdp_state[1]["state"][idx]["exp_avg"], rtol=1e-2, atol=1e-5)
+    # 3 more steps, sharded, from the whole tensors saved; against one process doing the same (the
+    # schedule follows --max-steps, so a 3-step run continued to 6 is not a 6-step run)
+    T.train(_cfg(tiny_run, tiny_run / "one3", max_steps=6), resume=True, progress=False)
+    _torchrun(tiny_run, "fsdp", 29519, "--parallel", "fsdp", "--resume", steps=6)
+    _assert_same_training(_weights(tiny_run / "one3"), _weights(tiny_run / "fsdp"))
+    with pytest.raises(BlockdraftError, match="--parallel"):
+        T.train(_cfg(tiny_run, tiny_run / "bad", parallel="zero3"), progress=False)
+
+
 def test_init_from_a_saved_drafter_continues_from_its_weights(tiny_run):
-    from blockdraft.checkpoint import load_draft
+    from blockdraft.models.checkpoint import load_draft
 
     T.train(_cfg(tiny_run, tiny_run / "first", max_steps=3), progress=False)
     first = load_draft(tiny_run / "first" / "drafter")
@@ -160,7 +193,7 @@ def test_init_from_a_saved_drafter_continues_from_its_weights(tiny_run):
 def test_prompt_jsonl_may_be_gzipped(tmp_path):
     import gzip
 
-    from blockdraft.data import iter_jsonl
+    from blockdraft.training.data import iter_jsonl
 
     rows = [{"id": "a", "prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}], "response": "r"}]
     with gzip.open(tmp_path / "p.jsonl.gz", "wt") as f:
@@ -190,7 +223,7 @@ def test_final_log_has_heldout_tau_and_full_vocabulary_accuracy(tiny_run, tmp_pa
 
 
 def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
-    from blockdraft.features import prefill
+    from blockdraft.training.features import prefill
 
     target = tiny_target("llama")
     seqs = [[1, 5, 9, 2, 7, 7, 3], [4, 4, 8]]
@@ -223,12 +256,11 @@ def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
 
 
 def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp_path):
-    """scripts/merge_data.py: regenerated data gets target_next = its own next tokens, ids stay
+    """`blockdraft merge-data`: regenerated data gets target_next = its own next tokens, ids stay
     unique, held-out comes from the regenerated source, and copied features equal the source's."""
-    import runpy
     import shutil
 
-    from blockdraft.features import CachedFeatures, build_feature_cache, feature_dir
+    from blockdraft.training.features import CachedFeatures, build_feature_cache, feature_dir
 
     target = tiny_target("llama")
     regen, orig = tmp_path / "regen", tmp_path / "orig"
@@ -244,12 +276,13 @@ def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp
         (d / "manifest.json").write_text(json.dumps({"settings": {"responses": kind}}))
     taps = [1, 3, 5]
     build_feature_cache(regen, "train", [r for r in rows if r["split"] == "train"], target, taps, progress=False)
-    argv = sys.argv
-    sys.argv = ["merge_data.py", str(tmp_path / "mix"), str(regen), str(orig)]
-    try:
-        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "scripts", "merge_data.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
+    from blockdraft.cli import main
+
+    assert main(["merge-data", str(tmp_path / "mix"), str(regen), str(orig)]) == 0
+    assert not (tmp_path / "mix.partial").exists()
+    assert main(["merge-data", str(tmp_path / "mix"), str(regen)]) == 2  # not over an earlier merge
+    assert main(["merge-data", str(tmp_path / "bad"), str(regen), str(tmp_path)]) == 2  # not a data directory
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
     train = load_samples(tmp_path / "mix", "train")
     held = load_samples(tmp_path / "mix", "heldout")
     assert len(train) == 11 + 4 and [r["id"] for r in held] == ["regen/0"]  # orig's held-out left out
@@ -266,11 +299,9 @@ def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp
     alone = target.forward(torch.tensor([train[12]["input_ids"]]), target.new_cache(), taps, logits_at=1).taps[0]
     torch.testing.assert_close(feats.get(12), alone.half().float())
     # a second merge of the same sources reuses the first merge's cache (--cache-from): all rows copied
-    sys.argv = ["merge_data.py", str(tmp_path / "mix2"), str(regen), str(orig), "--cache-from", str(tmp_path / "mix")]
-    try:
-        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "scripts", "merge_data.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
+    (tmp_path / "mix2.partial").mkdir()  # left by an interrupted merge: started again
+    (tmp_path / "mix2.partial" / "samples.jsonl").write_text("half")
+    assert main(["merge-data", str(tmp_path / "mix2"), str(regen), str(orig), "--cache-from", str(tmp_path / "mix")]) == 0
     again = CachedFeatures(feature_dir(tmp_path / "mix2", "train", taps))
     assert json.loads((feature_dir(tmp_path / "mix2", "train", taps) / "progress.json").read_text())["done"] == 15
     assert [r["id"] for r in load_samples(tmp_path / "mix2", "train")] == [r["id"] for r in train]
@@ -279,7 +310,7 @@ def test_merge_data_fills_target_labels_and_copies_cached_features(tiny_run, tmp
 
 def test_a_feature_cache_grows_with_its_data_but_refuses_other_samples(tmp_path):
     from blockdraft.errors import BlockdraftError
-    from blockdraft.features import build_feature_cache
+    from blockdraft.training.features import build_feature_cache
 
     target = tiny_target("llama")
     rows = [{"id": str(i), "input_ids": list(range(5, 10 + i))} for i in range(4)]

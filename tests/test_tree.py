@@ -5,10 +5,10 @@ plain decoding, and sampling keeps the target's distribution (total-variation te
 import pytest
 import torch
 
-from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.decoding.engine import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.oracle import OracleDraft
-from blockdraft.tree import (LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate,
+from blockdraft.decoding.oracle import OracleDraft
+from blockdraft.decoding.tree import (LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate,
                              verify_tree_greedy, verify_tree_sampled)
 
 from conftest import tiny_draft, tiny_target
@@ -208,7 +208,7 @@ def exact_joint() -> torch.Tensor:
 
 def sample_toy(draws: int, sampled: bool, lookup: bool, wrong_rule: bool = False, seed: int = 0) -> torch.Tensor:
     """The first 3 tokens of `draws` generations by tree steps of 8 nodes over a 3-deep block."""
-    from blockdraft import tree as tree_mod
+    from blockdraft.decoding import tree as tree_mod
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.softmax(torch.randn(3, V_TOY, generator=torch.Generator().manual_seed(99)), -1)  # [D, V] far from p
@@ -259,7 +259,7 @@ def test_tree_tv_detects_a_wrong_rule():
 
 def test_a_seed_makes_tree_sampling_reproducible_across_requests():
     """Rates learned by one request must not change another's draws: a seeded request starts fresh."""
-    from blockdraft.verify import SamplingParams
+    from blockdraft.decoding.verify import SamplingParams
 
     target = tiny_target("qwen3")
     engine = Engine(target, tiny_draft(target))

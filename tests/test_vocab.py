@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from blockdraft.checkpoint import load_draft, save_draft
+from blockdraft.models.checkpoint import load_draft, save_draft
 from blockdraft.cli import main
-from blockdraft.decoding import Engine, GenerationConfig
+from blockdraft.decoding.engine import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.vocab import VOCAB_FILE, SubsetHead, coverage, load_vocab, most_frequent, save_vocab
+from blockdraft.models.vocab import VOCAB_FILE, SubsetHead, coverage, load_vocab, most_frequent, save_vocab
 
 from conftest import VOCAB, tiny_draft, tiny_target
 
@@ -42,6 +42,30 @@ def test_save_and_load_round_trip_and_refuse_bad_files(tmp_path):
     assert load_vocab(tmp_path / "elsewhere", VOCAB) is None
 
 
+def test_the_subset_lives_in_a_subfolder_peers_never_load_and_a_top_level_one_is_migrated(tmp_path):
+    """vLLM loads every top-level *.safetensors of a drafter and refused one with a d2t beside it;
+    the subset sits in vocab/, and a drafter saved with the old layout still loads, then moves."""
+    from safetensors.torch import load_file
+
+    from blockdraft.models.vocab import LEGACY_VOCAB_FILE, remove_vocab
+
+    assert "/" in VOCAB_FILE and not LEGACY_VOCAB_FILE.count("/")
+    target = tiny_target()
+    draft = tiny_draft(target)
+    save_draft(draft, tmp_path / "d")
+    ids = torch.tensor([1, 5, 7])
+    save_vocab(tmp_path / "d", ids, VOCAB)
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.safetensors")) == ["model.safetensors"]
+    (tmp_path / "d" / VOCAB_FILE).rename(tmp_path / "d" / LEGACY_VOCAB_FILE)  # as drafters had it before
+    old = load_draft(tmp_path / "d")
+    assert torch.equal(old.vocab_ids, ids)
+    save_draft(old, tmp_path / "d")  # saved again: moved into vocab/
+    assert not (tmp_path / "d" / LEGACY_VOCAB_FILE).exists()
+    assert torch.equal(load_file(str(tmp_path / "d" / VOCAB_FILE))["d2t"] + torch.arange(3), ids)
+    remove_vocab(tmp_path / "d")
+    assert load_draft(tmp_path / "d").vocab_ids is None
+
+
 def test_subset_head_scores_only_the_subset():
     torch.manual_seed(0)
     weight = torch.randn(VOCAB, 64)
@@ -64,7 +88,7 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     truth = plain.generate(prompt, cfg).token_ids
     draft = tiny_draft(target, block_size=6)
     draft.vocab_ids = most_frequent([truth], 12, VOCAB)  # the subset holds much of the output
-    from blockdraft.propose import Proposers
+    from blockdraft.decoding.propose import Proposers
 
     proposed = []
     real = Proposers.propose_chain

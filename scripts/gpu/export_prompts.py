@@ -5,7 +5,7 @@ import gzip
 import json
 import sys
 
-from blockdraft.data import iter_sharegpt
+from blockdraft.training.data import iter_sharegpt
 
 out, limit = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40000
 with gzip.open(out, "wt", encoding="utf-8") as f:

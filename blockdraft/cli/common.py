@@ -1,0 +1,90 @@
+"""What the commands share: the bundled drafter, prompt files, dtypes, loading an engine, and the
+arguments several commands take. Standard library only at import, like every cli module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import BlockdraftError
+
+BUNDLED_DRAFTERS = Path(__file__).parent.parent / "drafters"
+
+
+def bundled_drafter(target: str) -> Path | None:
+    path = BUNDLED_DRAFTERS / target
+    return path if (path / "model.safetensors").exists() else None
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
+    if (prompt is None) == (prompts_file is None):
+        raise BlockdraftError("give exactly one of --prompt or --prompts-file")
+    if prompt is not None:
+        return [{"prompt": prompt}]
+    rows = []
+    try:
+        lines = Path(prompts_file).read_text().splitlines()
+    except OSError as err:
+        raise BlockdraftError(f"cannot read --prompts-file: {err}") from err
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BlockdraftError(f"{prompts_file}:{n}: invalid JSON ({err.msg})") from err
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise BlockdraftError(f'{prompts_file}:{n}: expected {{"prompt": "...", "seed": optional int}}')
+        if rec.get("seed") is not None and not isinstance(rec["seed"], int):
+            raise BlockdraftError(f"{prompts_file}:{n}: seed must be an integer")
+        rows.append(rec)
+    if not rows:
+        raise BlockdraftError(f"{prompts_file}: no prompts")
+    return rows
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str):
+    """'auto' -> None (the default for the device), else the torch dtype of that name."""
+    import torch
+
+    if name not in DTYPES:
+        raise BlockdraftError(f"unknown dtype {name!r}; choose from {list(DTYPES)}")
+    return None if name == "auto" else getattr(torch, name)
+
+
+def load_engine(target: str, draft: str | None, device: str | None = None, dtype: str = "auto",
+                draft_dtype: str = "auto"):
+    """The target plus the drafter: a path, 'none', or None for the bundled one (if any).
+    dtype: the target's ('auto': fp32 on the CPU, bf16 on CUDA); draft_dtype: the drafter's
+    ('auto': `fast_draft_dtype`)."""
+    from ..models.checkpoint import load_draft
+    from ..decoding.engine import Engine
+    from ..models.kernels import fast_draft_dtype
+    from ..models.target import load_target
+
+    if draft is not None and draft != "none" and not Path(draft).exists():
+        raise BlockdraftError(f"drafter checkpoint {draft!r} does not exist")
+    target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype)
+    tgt = load_target(target, device=device, dtype=target_dtype)
+    path = bundled_drafter(target) if draft is None else (None if draft == "none" else Path(draft))
+    drafter = load_draft(path, device=tgt.device, dtype=tgt.dtype) if path else None
+    return Engine(tgt, drafter, draft_dtype=chosen_draft_dtype or fast_draft_dtype(tgt.device, tgt.dtype))
+
+
+def add_dtype_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the target's dtype (auto: float32 on the CPU, exact; bfloat16 on CUDA). bf16 on the CPU "
+                        "is an opt-in whose speculative output may differ from plain bf16 decoding (see docs)")
+    p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
+                   help="the drafter's dtype; it cannot change the output (auto: bfloat16 where this CPU has "
+                        "native bf16 kernels or on CUDA, else the target's)")
+
+
+def add_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="also verify prompt-lookup proposals (text repeated from the context) where they pay "
+                        "(default: on; --no-lookup: the drafter alone)")

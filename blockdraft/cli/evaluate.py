@@ -1,0 +1,139 @@
+"""Commands that measure: bench, tau, bench-serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import BlockdraftError
+from .common import add_dtype_args, bundled_drafter, load_engine
+
+
+def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
+              block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
+              device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
+              dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True) -> None:
+    from ..evaluation.bench import check_methods, dump, format_table, parse_method, run_bench
+    from ..evaluation.plot import plot_report
+    from ..evaluation.datasets import load_prompts
+    from ..models.target import load_target
+
+    chosen = check_methods(tuple(m.strip() for m in methods.split(",") if m.strip()))
+    texts = load_prompts(dataset, limit)
+    engine = load_engine(target, draft, device, dtype, draft_dtype)
+    helper = load_target(assistant, device=engine.target.device, dtype=engine.target.dtype) if assistant else None
+    prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
+    refs = None
+    if temperature == 0 and any(parse_method(m).name == "oracle" for m in chosen):
+        # the oracle's greedy continuations: batched and cached, shared with `blockdraft tau`
+        from ..evaluation.replay import default_references_path, reference_continuations
+
+        refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
+    report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
+                       oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed)
+    report["dataset"] = dataset
+    print(format_table(report))
+    if as_json:
+        Path(as_json).write_text(dump(report) + "\n")
+    if plot:
+        plot_report(report, plot)
+
+
+def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | None, max_new_tokens: int,
+            block_size: int | None, references: str | None, as_json: str | None, device: str | None) -> None:
+    """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py)."""
+    from ..evaluation.datasets import load_prompts
+    from ..models.checkpoint import check_fits, load_draft
+    from ..decoding.engine import GenerationStats
+    from ..evaluation.replay import default_references_path, reference_continuations, replay
+    from ..models.target import load_target
+    from tqdm import tqdm
+
+    texts = load_prompts(dataset, limit)
+    if max_new_tokens < 1:
+        raise BlockdraftError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    if block_size is not None and block_size < 2:
+        raise BlockdraftError(f"--block-size must be >= 2 to draft anything (got {block_size})")
+    paths = [Path(d) for d in draft] if draft else [bundled_drafter(target)]
+    for path in paths:
+        if path is None or not path.exists():
+            raise BlockdraftError(f"drafter {str(path) if path else '(bundled)'} does not exist; pass --draft DIR")
+    tgt = load_target(target, device=device)
+    drafters = [load_draft(path, device=tgt.device, dtype=tgt.dtype) for path in paths]
+    for d in drafters:
+        check_fits(d.cfg, tgt)
+    prompts = [tgt.encode_prompt(t, tgt.has_chat_template) for t in texts]
+    path = references or default_references_path(target)
+    refs = reference_continuations(tgt, prompts, max_new_tokens, path)
+    report = {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "reference_tokens": sum(len(r) for r in refs), "drafters": {}}
+    for path, d in zip(paths, drafters):
+        name, b = str(path), block_size or d.block_size
+        per_prompt = [replay(tgt, d, p, r, b, max_new_tokens)
+                      for p, r in tqdm(list(zip(prompts, refs)), desc=f"replay {path.name}", unit="prompt")]
+        taus = [r.tau for r in per_prompt]
+        lengths = [a for r in per_prompt for a in r.acceptance_lengths]
+        report["drafters"][name] = {"block_size": b, "tau": round(sum(taus) / len(taus), 3),
+                                    "tau_per_prompt": [round(t, 3) for t in taus],
+                                    "steps": len(lengths), "acceptance_lengths_total": sum(lengths),
+                                    "acceptance_histogram": GenerationStats(acceptance_lengths=lengths).histogram(b)}
+        hist = report["drafters"][name]["acceptance_histogram"]
+        print(f"{name}: tau {report['drafters'][name]['tau']:.3f} (block {b}, {len(prompts)} prompts of "
+              f"{dataset}, {max_new_tokens} new tokens, {len(lengths)} steps)\n  steps by tokens committed: "
+              + " ".join(f"{k}:{c}" for k, c in enumerate(hist, 1) if c))
+    if as_json:
+        Path(as_json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def cmd_bench_serve(**kwargs) -> None:
+    from ..evaluation.bench_serve import cmd_bench_serve
+
+    cmd_bench_serve(**kwargs)
+
+
+def add_parsers(sub) -> None:
+    b = sub.add_parser("bench", help="tokens/s and tau of methods side by side, same prompts, same process")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--draft", default=None)
+    b.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or a JSONL of {\"prompt\": ...}")
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
+                   help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
+                        "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "
+                        "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
+                        "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32)")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
+    b.add_argument("--device", default=None)
+    b.add_argument("--oracle-keep", type=float, default=0.9, help="oracle: probability each proposal is right "
+                   "(per method: oracle@0.8)")
+    b.add_argument("--assistant", default=None, help="assistant model for hf-assisted (an ID or HF directory)")
+    add_dtype_args(b)
+    b.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                   help="our engine on oneDNN-prepacked linear layers (default); --no-packed: on transformers' "
+                        "own kernels, as before the fast forward")
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
+    b.set_defaults(run=cmd_bench)
+
+    r = sub.add_parser("tau", help="a drafter's tau at temperature 0 by replay against cached greedy references")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--draft", action="append", default=None, help="drafter directory (repeatable; default: bundled)")
+    r.add_argument("--dataset", default="humaneval", help="humaneval, mt-bench or a JSONL of {\"prompt\": ...}")
+    r.add_argument("--limit", type=int, default=None)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    r.add_argument("--references", default=None, metavar="FILE",
+                   help="cache of the target's greedy continuations (default: in the blockdraft cache)")
+    r.add_argument("--json", dest="as_json", default=None, metavar="FILE")
+    r.add_argument("--device", default=None)
+    r.set_defaults(run=cmd_tau)
+
+    from ..evaluation.bench_serve import add_parser as add_bench_serve  # stdlib imports only, like this module
+
+    bs = add_bench_serve(sub)
+    add_dtype_args(bs)
+    bs.set_defaults(run=cmd_bench_serve)

@@ -1,0 +1,1 @@
+"""Speculative decoding: verification, proposers, the loop over sequence states."""

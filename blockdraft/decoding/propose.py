@@ -1,0 +1,153 @@
+"""Proposers, side by side: what one decode step asks the target to verify.
+
+- prompt lookup (lookup.py): the continuation of an earlier occurrence of the context's last
+  n-gram, no forward at all, verified where its own adaptive policy expects it to pay;
+- the drafter's chain: one block-diffusion forward, one token per block position;
+- the drafter's tree (tree.py): the same forward, several candidates per position, the lookup
+  continuation as one more branch, its node budget chosen from the measured cost of verifying n
+  tokens (down to a plain step).
+Each returns a `Proposal`; engine.py verifies it with one target forward and commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adaptive import AdaptiveBlockPolicy, TreeBudgetPolicy
+from .lookup import lookup_proposals
+from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees
+from .verify import SamplingParams, probs_from_logits, sample
+
+LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor | None = None  # [n] tokens verified after the anchor (a tree's nodes 1..); None: plain
+    q: torch.Tensor | None = None  # a sampled chain's [n, V] draft distribution (None: argmax or lookup)
+    tree: Tree | None = None
+    policy: AdaptiveBlockPolicy | None = None  # the policy whose choice this was: it learns the step's cost
+    looked_up: bool = False  # prompt-lookup tokens alone (no draft forward)
+    ran_draft: bool = False  # a draft forward ran: the pending draft context went in
+
+    @property
+    def block(self) -> int:
+        """Tokens the target verifies, the anchor included."""
+        return 1 + (0 if self.drafts is None else self.drafts.shape[0])
+
+
+@dataclass
+class Proposers:
+    """One request's proposers and the policies they choose by (the engine's, kept across
+    requests, unless the request is reproducible: then none adapts to timings)."""
+
+    block_size: int  # the drafter's block for this request (1: no drafter)
+    chain: AdaptiveBlockPolicy | None = None  # the drafter chain's block choice
+    lookup_block: int = 1  # largest lookup block (1: lookup off)
+    lookup_adaptive: bool = False
+    lookup: dict = field(default_factory=dict)  # (n-gram, max block) -> AdaptiveBlockPolicy
+    tree_budget: int | None = None  # largest tree (None: chains)
+    tree: TreeBudgetPolicy | None = None  # the tree's node budget choice (None: always tree_budget)
+    rates: TreeRates | None = None  # tree acceptance by (depth, rank)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    greedy_proposals: bool = True  # drafts are the drafter's top tokens (else drawn from q)
+
+    @classmethod
+    def for_request(cls, config, has_draft: bool, drafter_block: int, policies: dict) -> "Proposers":
+        params = config.sampling
+        block_size = 1 if not has_draft else (config.block_size or drafter_block)
+        # Choices follow measured timings; with a sampling seed they must not, or the same seed
+        # could give different text (the draws would fall differently), so a seed fixes them.
+        reproducible = not params.greedy and params.seed is not None
+        adaptive = config.block_size is None and config.adaptive and not reproducible
+        greedy_proposals = params.greedy or config.proposal == "greedy"
+        p = cls(block_size, sampling=params, greedy_proposals=greedy_proposals)
+        tree = config.tree_budget is not None and block_size > 1
+        if has_draft and adaptive and not tree:
+            p.chain = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
+        if config.lookup:
+            p.lookup_block = config.block_size or LOOKUP_BLOCK
+            p.lookup_adaptive = adaptive
+            p.lookup = policies.setdefault("lookup", {})
+        if tree:
+            p.tree_budget = config.tree_budget
+            mode = "greedy" if params.greedy else "argmax" if greedy_proposals else "sampled"
+            # the rates depend on verdicts only, but a seeded request must not see another's
+            p.rates = TreeRates() if reproducible else policies.setdefault(("tree rates", mode), TreeRates())
+            if adaptive:
+                key = ("tree", config.tree_budget, block_size, config.lookup)
+                p.tree = policies.setdefault(key, TreeBudgetPolicy(config.tree_budget))
+        return p
+
+    def propose_lookup(self, history: list[int], room: int, device, batched: bool = False) -> Proposal | None:
+        """Prompt-lookup tokens where they are expected to pay, else None. `batched`: the step is
+        one of several sequences whose block the batch chose (`room`); the lookup's tokens are
+        free there (no draft forward), so they go instead of the drafter's where they are expected
+        to yield as many tokens."""
+        found = lookup_proposals(history, min(self.lookup_block, room) - 1) if self.lookup_block > 1 else None
+        if not found:
+            return None
+        policy = None
+        if self.lookup_adaptive:
+            key = (found.ngram, self.lookup_block)
+            policy = self.lookup.setdefault(key, AdaptiveBlockPolicy(self.lookup_block))
+        if batched:
+            tokens = found.tokens
+            if policy is not None and self.chain is not None and \
+                    policy.expected_tokens(1 + len(tokens)) < self.chain.expected_tokens(room):
+                return None
+            return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
+        tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens
+        if tokens and policy is not None and self.chain is not None:
+            # the alternative is the drafter's block, not a plain step: verify the lookup only if
+            # it is expected to yield as many tokens per second (while either is unmeasured, try it)
+            mine, theirs = policy.rate(1 + len(tokens)), self.chain.best_rate()
+            if mine is not None and theirs is not None and mine < theirs:
+                return None
+        if not tokens:  # its policy expects no lookup token to pay: the drafter's turn
+            return None
+        return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
+
+    def lookup_branch(self, history: list[int], room: int) -> list[int]:
+        """A tree's lookup branch: the continuation as found (the tree's rates judge it)."""
+        if self.lookup_block <= 1:
+            return []
+        found = lookup_proposals(history, min(self.lookup_block, room) - 1)
+        return found.tokens if found else []
+
+    def chain_block(self, room: int) -> int:
+        return min(self.chain.choose() if self.chain is not None else self.block_size, room)
+
+    def propose_chain(self, draft_logits: torch.Tensor, gen) -> Proposal:
+        """Drafts [n] from the draft logits [n, V] and, when sampled, the q they were drawn from."""
+        if self.greedy_proposals:
+            return Proposal(draft_logits.argmax(-1), policy=self.chain, ran_draft=True)
+        q = probs_from_logits(draft_logits, self.sampling)
+        return Proposal(sample(q, gen), q, policy=self.chain, ran_draft=True)
+
+    def tree_size(self, depth: int, lookup: list[int], cap: int | None = None) -> tuple[int, int]:
+        """This step's node budget (fixed, or the policy's best for the expected value of each n,
+        or a batch's choice `cap`) and the block positions the drafter must propose for it (at
+        most `depth`)."""
+        plan = plan_trees(self.rates, depth, self.tree_budget, WIDTH, len(lookup))
+        if self.tree is None:
+            size = self.tree_budget
+        elif cap is not None:
+            size = min(cap, self.tree_budget)
+        else:
+            self.tree.plan(plan.expected)
+            size = self.tree.choose()
+        return size, plan.drafter_depth[size - 1]
+
+    def propose_tree(self, draft_logits: torch.Tensor, anchor: int, size: int, lookup: list[int], gen) -> Proposal:
+        """A tree of `size` nodes from the draft logits [D, V] (and a lookup branch)."""
+        if self.greedy_proposals:
+            tree = build_tree(draft_candidates(draft_logits, WIDTH, False), anchor, size, self.rates, lookup)
+        else:
+            q = probs_from_logits(draft_logits, self.sampling)  # [D, V]
+            cands = draft_candidates(q, WIDTH, True, gen)
+            tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
+        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_logits.device)
+        return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)

@@ -1,0 +1,1 @@
+"""Evaluation: the bench, bench-serve, tau by replay, prompt sets and plots."""

@@ -1,0 +1,397 @@
+"""`blockdraft bench`: methods side by side in one process, on the same prompts, interleaved
+prompt by prompt after a warm-up, with an identical-output check at temperature 0.
+
+Methods: `dflash` (our engine as it ships: the drafter, and prompt-lookup proposals where they pay,
+see lookup.py), `dflash-lookup` (the drafter alone), `ar` (our engine, no drafter: plain decoding),
+`ar+lookup` (plain decoding plus prompt lookup), `hf` (transformers
+`generate`, as a user would call it), `hf-pld` (transformers prompt-lookup decoding),
+`hf-assisted` (transformers assisted generation with a given assistant model), and `oracle`: the
+drafter's real forward, but proposing the target's own greedy continuation, each token kept with
+probability `oracle_keep` (`oracle@K` sets K per method, so several run side by side), which
+gives the engine's speed at a controlled tau, apart from drafter quality. A `:B` suffix fixes
+the block of one engine method (`oracle@0.9:16`, `dflash:8`) while the others keep
+`--block-size` or the adaptive policy.
+
+Speedups are ratios of end-to-end tokens/s (prefill included) measured in this run;
+`decode_tok_s` excludes prefill where it is known (our engine), and `decode_speedup_vs_ar`, their
+ratio, is what the cost model's ceiling bounds (decode steps only, at tokens per step over all
+steps). transformers reports no acceptance, so its methods have no tau (plain `hf`: 1).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats, add_counts
+from ..errors import BlockdraftError
+from ..models.kernels import use_packed
+from ..decoding.oracle import OracleDraft
+from ..decoding.verify import SamplingParams
+
+METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
+PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
+TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of `--methods`: `name[@keep][:block]`."""
+
+    name: str  # one of METHODS
+    keep: float | None = None  # oracle only: probability each proposal is kept
+    block_size: int | None = None  # dflash / oracle only: a fixed block for this method
+    lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
+    tree_budget: int | None = None  # `+treeN`: verify a token tree of N nodes instead of a chain (tree.py)
+
+
+def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
+    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash` -> MethodSpec("dflash",
+    lookup=True) (the engine's default), `dflash-lookup` -> the drafter alone, `ar+lookup` -> plain
+    decoding plus prompt lookup; a BlockdraftError for anything unknown."""
+    head, block, tree = method, None, None
+    if ":" in method:
+        head, tail = method.split(":", 1)
+        if not tail.isdigit() or int(tail) < 1:
+            raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
+        block = int(tail)
+    if "+tree" in head:
+        head, n = head.split("+tree", 1)
+        n = n or str(TREE_BUDGET)
+        if not n.isdigit() or not 1 <= int(n) <= 256:
+            raise BlockdraftError(f"{method!r}: '+treeN' needs a node budget N in [1, 256]")
+        tree = int(n)
+    lookup = None  # the method's default: on for dflash (as the engine ships), off for the rest
+    for suffix, value in (("+lookup", True), ("-lookup", False)):
+        if head.endswith(suffix):
+            head, lookup = head.removesuffix(suffix), value
+            break
+    name, keep = head, None
+    if "@" in head:
+        name, k = head.split("@", 1)
+        if name != "oracle":
+            raise BlockdraftError(f"{method!r}: only oracle takes a keep probability ('oracle@K')")
+        try:
+            keep = float(k)
+        except ValueError:
+            keep = -1.0
+        if not 0 <= keep <= 1:
+            raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
+    if name not in METHODS:
+        raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
+    if block is not None and name not in ("dflash", "oracle"):
+        raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
+    if lookup is not None and name not in ("dflash", "ar"):
+        raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
+    if tree is not None and name not in ("dflash", "oracle"):
+        raise BlockdraftError(f"{method!r}: only dflash and oracle take '+treeN'")
+    if name == "oracle" and keep is None:
+        keep = default_keep
+    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree)
+
+
+def check_methods(methods) -> tuple[str, ...]:
+    """Each method parses (`parse_method`) and appears once; a BlockdraftError otherwise."""
+    for m in methods:
+        parse_method(m)
+    if not methods or len(set(methods)) != len(methods):
+        raise BlockdraftError(f"give each method once (got {list(methods)})")
+    return tuple(methods)
+
+
+@dataclass
+class MethodResult:
+    tokens: int = 0
+    seconds: float = 0.0  # end to end, prefill included
+    decode_seconds: float = 0.0  # after the first token (our engine only)
+    decode_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)  # per request
+    lookup_steps: int = 0
+    drafted: int = 0  # tokens verified besides the anchors (a tree's nodes)
+    accepted: int = 0
+    tree_sizes: list[int] = field(default_factory=list)
+    tree_nodes_by_depth: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    step_seconds: dict[str, float] = field(default_factory=dict)  # our engine: decode time by phase
+
+    def step_ms(self) -> dict | None:
+        """Milliseconds per decode step by phase (StepSeconds), our engine only."""
+        steps = len(self.acceptance_lengths)
+        if not steps or not self.step_seconds:
+            return None
+        return {k: round(1e3 * v / steps, 2) for k, v in self.step_seconds.items()}
+
+    def summary(self, block_size: int) -> dict:
+        hist = GenerationStats(acceptance_lengths=self.acceptance_lengths).histogram(block_size)
+        return {
+            "tokens": self.tokens, "seconds": round(self.seconds, 3),
+            "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+            "decode_tok_s": round(self.decode_tokens / self.decode_seconds, 2) if self.decode_seconds else None,
+            "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
+            "acceptance_histogram": hist,
+            **({"lookup_steps": self.lookup_steps} if self.lookup_steps else {}),
+            **({"accepted_per_verified": round(self.accepted / self.drafted, 3)} if self.drafted else {}),
+            **({"trees": self.tree_summary()} if self.tree_sizes else {}),
+            **({"step_ms": self.step_ms()} if self.step_ms() else {}),
+        }
+
+    def tree_summary(self) -> dict:
+        """The trees actually verified: how many steps, their mean size, nodes per depth on average."""
+        n = len(self.tree_sizes)
+        return {"steps": n, "of_steps": len(self.acceptance_lengths),
+                "mean_nodes": round(sum(self.tree_sizes) / n, 2),
+                "nodes_by_depth": [round(c / n, 2) for c in self.tree_nodes_by_depth]}
+
+
+def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
+    t0 = time.perf_counter()
+    out = engine.generate(ids, cfg)
+    res.seconds += time.perf_counter() - t0
+    res.tokens += out.num_new_tokens
+    res.decode_seconds += out.stats.decode_seconds
+    res.decode_tokens += max(out.num_new_tokens - 1, 0)
+    res.acceptance_lengths += out.stats.acceptance_lengths
+    res.taus.append(out.stats.tau)
+    res.lookup_steps += out.stats.lookup_steps
+    res.drafted += out.stats.drafted
+    res.accepted += out.stats.accepted
+    res.tree_sizes += out.stats.tree_sizes
+    add_counts(res.tree_nodes_by_depth, out.stats.tree_nodes_by_depth)
+    for phase, seconds in out.stats.step_seconds.as_dict().items():
+        res.step_seconds[phase] = res.step_seconds.get(phase, 0.0) + seconds
+    return out.token_ids
+
+
+def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult, **extra) -> list[int]:
+    s = cfg.sampling
+    kwargs = dict(do_sample=False) if s.greedy else dict(do_sample=True, temperature=s.temperature,
+                                                         top_k=s.top_k or None, top_p=s.top_p)
+    stop = target.stop_token_ids
+    t0 = time.perf_counter()
+    with torch.inference_mode(), use_packed(False):  # transformers as a user calls it: its own kernels
+        out = target.model.generate(
+            torch.tensor([ids], device=target.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                                 device=target.device),
+            max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
+            pad_token_id=stop[0] if stop else 0, **kwargs, **extra,
+        )[0, len(ids):].tolist()
+    res.seconds += time.perf_counter() - t0
+    res.tokens += len(out)
+    if not extra:
+        res.taus.append(1.0)  # plain generate: one token per forward
+    return out
+
+
+@torch.inference_mode()
+def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats: int = 9,
+                  verify_size: int | None = None) -> dict:
+    """Seconds of a target forward over b new tokens (b = 1..max(B, verify_size), after the prompt)
+    and of one draft forward for a block of B: the cost model behind the ceiling speedup."""
+    from ..models.draft import DraftCache
+    from ..models.profile import timed as timed_on
+
+    def timed(fn) -> float:
+        return timed_on(fn, target.device, repeats)
+
+    cache = target.new_cache()
+    taps = draft.cfg.target_layer_ids if draft is not None else None
+    out = target.forward(torch.tensor([prompt_ids], device=target.device), cache, taps, logits_at=1)
+    n = len(prompt_ids)
+    t_target = {}
+    for b in range(1, max(block_size, verify_size or 0) + 1):
+        ids = torch.zeros(1, b, dtype=torch.long, device=target.device)
+
+        def verify(ids=ids):
+            target.forward(ids, cache, taps).logits  # the body and the head over all b rows
+            target.rollback(cache, n)
+
+        t_target[b] = timed(verify)
+    t_draft = 0.0
+    if draft is not None:
+        dcache = DraftCache(len(draft.layers))
+        head = draft.head_for(target.lm_head)
+        draft.block_logits(target.embed_tokens, head, dcache, out.taps, 0, n, block_size)
+        empty = out.taps[:, :0]
+        t_draft = timed(lambda: draft.block_logits(target.embed_tokens, head, dcache, empty, 0, n,
+                                                   block_size))
+    return {"t_target": t_target, "t_draft": t_draft, "block_size": block_size}
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def median_costs(samples: list[dict]) -> dict:
+    """The per-prompt cost measurements combined: the median of each forward's time."""
+    return {"t_target": {b: _median([s["t_target"][b] for s in samples]) for b in samples[0]["t_target"]},
+            "t_draft": _median([s["t_draft"] for s in samples]), "block_size": samples[0]["block_size"],
+            "samples": len(samples)}
+
+
+def ceiling_speedup(costs: dict, tau: float, block_size: int | None = None) -> float:
+    """tau * t(1) / (t_verify(B) + t_draft): the speedup over plain decoding if nothing but the
+    two forwards cost time (B: the measured block unless given; the draft cost is the measured one)."""
+    b = block_size or costs["block_size"]
+    return tau * costs["t_target"][1] / (costs["t_target"][b] + costs["t_draft"])
+
+
+def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", "hf", "oracle"), max_new_tokens: int = 256,
+              block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
+              progress: bool = True, oracle_keep: float = 0.9, assistant=None,
+              references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True,
+              packed: bool = True) -> dict:
+    """`references`: each prompt's greedy continuation for the oracle (computed here when None).
+    `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
+    prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
+    `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
+    "before" of the fast forward; hf methods always run those."""
+    from tqdm import tqdm
+
+    methods = check_methods(tuple(methods))
+    if not 0 <= oracle_keep <= 1:
+        raise BlockdraftError(f"--oracle-keep must be in [0, 1] (got {oracle_keep})")
+    specs = {m: parse_method(m, oracle_keep) for m in methods}
+    oracles = [m for m in methods if specs[m].name == "oracle"]
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, lookup=False,
+                           sampling=SamplingParams(temperature=temperature, seed=0))
+    cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup,
+                       tree_budget=specs[m].tree_budget) for m in methods}
+    if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
+        raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
+    if "hf-assisted" in methods and assistant is None:
+        raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
+    if references is not None and len(references) != len(prompts):
+        raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
+    # one engine per method: what one method's adaptive policies learn must not help another
+    draft_setup = dict(draft_dtype=draft.dtype) if draft is not None else {}  # as the caller set it up
+    engines = {m: Engine(target, draft if specs[m].name == "dflash" else None, **draft_setup)
+               for m in methods if specs[m].name in ("dflash", "ar")}
+    plain = engines.get("ar") or Engine(target)
+
+    truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
+
+    def run(method, ids, res):
+        with use_packed(packed):
+            return run_method(method, ids, res)
+
+    def run_method(method, ids, res):
+        name = specs[method].name
+        if name == "hf":
+            return _run_hf(target, ids, cfg, res)
+        if name == "hf-pld":
+            return _run_hf(target, ids, cfg, res, prompt_lookup_num_tokens=PLD_TOKENS)
+        if name == "hf-assisted":
+            return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
+        if name == "oracle":
+            key = tuple(ids)
+            if key not in truth:  # computed beforehand, outside the timing
+                truth[key] = plain.generate(ids, cfg).token_ids
+            oracle = OracleDraft(draft, truth[key], len(ids), specs[method].keep, seed=len(truth))
+            return _run_engine(Engine(target, oracle, **draft_setup), ids, cfgs[method], res)
+        return _run_engine(engines[method], ids, cfgs[method], res)
+
+    for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
+        for m in methods:
+            run(m, ids, MethodResult())
+    b = block_size or (draft.block_size if draft is not None else 1)
+    blocks = {m: specs[m].block_size or block_size or (max(b, LOOKUP_BLOCK) if specs[m].lookup else b)
+              for m in methods}  # the largest block each method may run
+    verified = {m: specs[m].tree_budget or blocks[m] for m in methods}  # tokens its largest verify runs
+    # the cost model bounds a drafter's block steps; lookup steps run no draft forward
+    ceilings = [m for m in methods if specs[m].name in ("dflash", "oracle") and not specs[m].lookup]
+    results = {m: MethodResult() for m in methods}
+    samples = []  # cost-model measurements, one per prompt, taken between its methods' runs
+    for i, ids in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first
+        for m in order:
+            out = run(m, ids, results[m])
+            results[m].outputs.append(out)
+        if ceilings:  # measured under the run's own conditions (a one-off measurement drifts with
+            # the machine's state), at a context halfway through this prompt's generation
+            with use_packed(packed):
+                samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()),
+                                             cost_repeats, max(verified.values())))
+    step_profile = None
+    if profile:  # at the first prompt's context halfway through its generation, as the cost model
+        from ..models.profile import BLOCKS, profile_step
+
+        first = prompts[0] + next(iter(results.values())).outputs[0][: max_new_tokens // 2]
+        with use_packed(packed):
+            step_profile = profile_step(target, draft, first, sorted(set(BLOCKS) | {max(verified.values())}))
+    report = {m: r.summary(blocks[m]) for m, r in results.items()}
+    costs = median_costs(samples) if ceilings else None
+    for m in methods:
+        if specs[m].name in ("dflash", "oracle") or specs[m].lookup:
+            report[m]["block_size"] = cfgs[m].block_size or "adaptive"
+        if specs[m].tree_budget:
+            report[m]["tree_budget"] = specs[m].tree_budget if cfgs[m].block_size else f"adaptive <= {specs[m].tree_budget}"
+        if m in ceilings and report[m]["tau"]:
+            # the cost model is per decode step: tokens per step over all steps (not per request)
+            lengths = results[m].acceptance_lengths
+            tokens_per_step = sum(lengths) / len(lengths)
+            # a fixed block's or tree's verify size; an adaptive method's largest (a bound, not a forecast)
+            report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, tokens_per_step, verified[m]), 3)
+    mismatches = []
+    reference = "hf" if "hf" in results else "ar" if "ar" in results else None  # plain greedy decoding
+    if temperature == 0 and reference:
+        ref = results[reference].outputs
+        for m, r in results.items():
+            for i, (a, h) in enumerate(zip(r.outputs, ref)):
+                if a != h:
+                    mismatches.append({"method": m, "prompt": i, "against": reference})
+    for base in ("hf", "ar"):
+        if base in report and report[base]["tok_s"]:
+            for m in report:
+                if report[m]["tok_s"]:
+                    report[m][f"speedup_vs_{base}"] = round(report[m]["tok_s"] / report[base]["tok_s"], 3)
+    if "ar" in report and report["ar"]["decode_tok_s"]:  # decode only: what the ceiling models
+        for m in report:
+            if report[m]["decode_tok_s"]:
+                report[m]["decode_speedup_vs_ar"] = round(report[m]["decode_tok_s"] / report["ar"]["decode_tok_s"], 3)
+    return {"methods": report, "mismatches": mismatches, "compared_against": reference if temperature == 0 else None,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "oracle_keep": {m: specs[m].keep for m in oracles} or None,
+            "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
+                                            "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
+            "step_profile_ms": step_profile, "packed_kernels": packed,
+            "block_size": b, "temperature": temperature, "device": str(target.device)}
+
+
+def format_table(report: dict) -> str:
+    cols = ["tok_s", "decode_tok_s", "tau", "accepted_per_verified", "speedup_vs_hf", "speedup_vs_ar",
+            "decode_speedup_vs_ar", "ceiling_speedup_vs_ar"]
+    lines = ["method          " + "".join(f"{c:>22}" for c in cols)]
+    for m, r in report["methods"].items():
+        lines.append(f"{m:<16}" + "".join(f"{str(r.get(c) if r.get(c) is not None else '-'):>22}" for c in cols))
+    against = report.get("compared_against")
+    if report["mismatches"]:
+        lines.append(f"!!! OUTPUT MISMATCH against {against}: {report['mismatches'][:10]}")
+    elif against:
+        lines.append(f"outputs identical to {against}'s for every method and prompt")
+    elif report["temperature"] == 0:
+        lines.append("outputs not compared (add hf or ar to --methods)")
+    for m, r in report["methods"].items():
+        if r.get("trees"):
+            t = r["trees"]
+            lines.append(f"{m}: trees on {t['steps']} of {t['of_steps']} steps, {t['mean_nodes']} nodes on average, "
+                         f"by depth {t['nodes_by_depth']}")
+    phased = {m: r["step_ms"] for m, r in report["methods"].items() if r.get("step_ms")}
+    if phased:
+        phases = list(next(iter(phased.values())))
+        lines.append("ms per decode step by phase (our engine)")
+        lines.append(f"{'method':<16}" + "".join(f"{p:>10}" for p in phases) + f"{'total':>10}")
+        for m, ph in phased.items():
+            lines.append(f"{m:<16}" + "".join(f"{ph[p]:>10}" for p in phases) + f"{round(sum(ph.values()), 2):>10}")
+    if report.get("step_profile_ms"):
+        from ..models.profile import format_profile
+
+        lines.append(format_profile(report["step_profile_ms"]))
+    return "\n".join(lines)
+
+
+def dump(report: dict) -> str:
+    return json.dumps(report)

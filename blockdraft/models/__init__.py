@@ -1,0 +1,1 @@
+"""Model adapters and checkpoints: the target, the drafter, their caches and kernels."""

@@ -1,0 +1,1 @@
+"""Training a drafter: data, target features, the training loop, warm starts."""

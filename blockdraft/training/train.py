@@ -1,0 +1,424 @@
+"""Drafter training (DFLASH.md's recipe), read top to bottom.
+
+Per sequence: the target's taps over the clean sequence (cached or online), N random anchor
+positions among response tokens, and for each a block [x_a, mask x (B-1)] at positions
+a..a+B-1 with labels x_{a+1}..x_{a+B-1}. All blocks of all sequences in a step go through one
+packed forward; a boolean mask lets block b see context positions < a_b and its own block only.
+Loss: cross entropy at block position k weighted exp(-(k-1)/gamma), normalised by the weights.
+
+Everything random is derived from (seed, step), so `--resume` needs only the step number and
+continues exactly where an uninterrupted run would be. `torchrun` gives data-parallel training,
+DDP or FSDP (`--parallel`, parallel.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.checkpoint import save_draft
+from ..models.draft import DraftModel, build_draft_config
+from ..errors import BlockdraftError
+from .parallel import setup
+from .warmstart import exportable, init_from_drafter, init_from_target
+
+
+@dataclass
+class TrainConfig:
+    data: str  # directory written by `blockdraft data`
+    out: str  # run directory: checkpoints, logs, the exported drafter
+    target: str = "smollm2-135m"
+    num_layers: int = 5
+    block_size: int = 16
+    anchors: int = 16  # N anchor blocks per sequence
+    batch_size: int = 4  # sequences per step, over all ranks
+    parallel: str = "ddp"  # under torchrun: "ddp" (whole drafter per process) or "fsdp" (sharded), parallel.py
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    max_steps: int = 1000
+    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    grad_clip: float = 1.0
+    tap_norm: bool = True  # divide each tap channel by its RMS (folded into fc on export)
+    init: str = "random"  # "random", "target" (draft layers copied from the target's last ones), or a
+    #                       drafter directory to continue from (e.g. the bundled one, on more data)
+    head_vocab: int = 0  # 0: full-vocabulary loss; n: the n most frequent response tokens plus
+    #                      n/2 random others per step (a sampled softmax: the LM head dominates cost)
+    features: str = "cache"  # "cache" (fp16 on disk) or "online"
+    labels: str = "data"  # "data": the sequence's own next tokens; "target": the target's greedy
+    #                       predictions stored by `blockdraft data --responses dataset`
+    max_seq_len: int = 512
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 0  # steps between held-out tau measurements (0: only at the end)
+    eval_prompts: int = 16  # held-out responses for tau (by replay: cheap)
+    eval_tokens: int = 192
+    time_budget_minutes: float | None = None  # stop (and save) after this much training time
+
+
+def default_gamma(block_size: int) -> float:
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def sample_anchors(loss_mask: list[int], n: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n distinct anchors a, uniformly among response positions with a <= S - B, sorted."""
+    seq_len = len(loss_mask)
+    valid = [a for a in range(1, seq_len - block_size + 1) if loss_mask[a]]
+    if not valid:
+        return torch.empty(0, dtype=torch.long)
+    pick = torch.randperm(len(valid), generator=gen)[:n]
+    return torch.tensor(valid, dtype=torch.long)[pick].sort().values
+
+
+def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[N*B, context_len + N*B] bool: block b's queries see context j < a_b and their own block."""
+    n = anchors.shape[0]
+    block_of = torch.arange(n * block_size) // block_size  # [N*B]
+    ctx = torch.arange(context_len)[None, :] < anchors[block_of][:, None]  # [N*B, S]
+    own = block_of[:, None] == block_of[None, :]  # [N*B, N*B]
+    return torch.cat([ctx, own], dim=1)
+
+
+@dataclass
+class Batch:
+    taps: torch.Tensor  # [Bs, S, K*H]
+    block_ids: torch.Tensor  # [Bs, N*B]
+    positions: torch.Tensor  # [Bs, N*B]
+    labels: torch.Tensor  # [Bs, N, B-1]
+    weights: torch.Tensor  # [Bs, N, B-1]: decay weight x label loss mask (0 for padding blocks)
+    mask: torch.Tensor  # [Bs, 1, N*B, S + N*B]
+
+
+def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for) -> Batch:
+    B, N = cfg.block_size, cfg.anchors
+    w = loss_weights(B, cfg.gamma or default_gamma(B))
+    rows = []
+    for j, i in enumerate(indices):
+        ids, lm = samples[i]["input_ids"][: cfg.max_seq_len], samples[i]["loss_mask"][: cfg.max_seq_len]
+        # nxt[t]: the label for position t + 1 (the next token, or the target's prediction of it)
+        nxt = samples[i]["target_next"][: len(ids)] if cfg.labels == "target" else ids[1:] + [0]
+        rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
+                     sample_anchors(lm, N, B, gen_for(j)), torch.tensor(nxt)))
+    S = max(r[0].shape[0] for r in rows)
+    width = rows[0][2].shape[1]
+    bs = len(rows)
+    taps = torch.zeros(bs, S, width)
+    block_ids = torch.full((bs, N * B), mask_id, dtype=torch.long)
+    positions = torch.zeros(bs, N * B, dtype=torch.long)
+    labels = torch.zeros(bs, N, B - 1, dtype=torch.long)
+    weights = torch.zeros(bs, N, B - 1)
+    mask = torch.zeros(bs, 1, N * B, S + N * B, dtype=torch.bool)
+    for r, (ids, lm, f, anchors, nxt) in enumerate(rows):
+        taps[r, : f.shape[0]] = f
+        n = anchors.shape[0]
+        # padding blocks (short sequences) sit at anchor 0 with weight 0: they see only themselves
+        full = torch.cat([anchors, torch.zeros(N - n, dtype=torch.long)])
+        offs = full[:, None] + torch.arange(B)[None, :]  # [N, B]
+        block_ids[r, ::B] = ids[full]
+        positions[r] = offs.reshape(-1)
+        labels[r, :n] = nxt[offs[:n, 1:] - 1]
+        weights[r, :n] = w[None, :] * lm[offs[:n, 1:]].float()
+        m = block_mask(full, S, B)
+        m[n * B :, :S] = False
+        mask[r, 0] = m
+    return Batch(taps, block_ids, positions, labels, weights, mask)
+
+
+def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
+    """The n most frequent response tokens of the training data, sorted by id."""
+    ids = torch.tensor([t for smp in samples for t, m in zip(smp["input_ids"], smp["loss_mask"]) if m])
+    counts = torch.bincount(ids, minlength=vocab)
+    return counts.topk(min(n, int((counts > 0).sum()))).indices.sort().values
+
+
+def head_rows(frequent: torch.Tensor | None, vocab: int, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
+    """Vocabulary rows for this step's loss: the frequent tokens, this batch's labels (so every
+    label is in the softmax) and random negatives. None = the full vocabulary."""
+    if frequent is None:
+        return None
+    others = torch.randint(0, vocab, (frequent.shape[0] // 2,), generator=gen)
+    return torch.unique(torch.cat([frequent, labels.flatten().cpu(), others]))
+
+
+def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.Tensor | None,
+                     rows: torch.Tensor | None = None):
+    """Weighted CE sum, weight sum and per-position correct counts for one packed batch.
+    rows: restrict the softmax to these vocabulary rows (sorted ids containing every label)."""
+    dev = target.device
+    taps = batch.taps.to(dev)
+    if tap_scale is not None:
+        taps = taps / tap_scale.to(dev)
+    with torch.no_grad():
+        embeds = target.embed_tokens(batch.block_ids.to(dev))  # frozen, shared
+    S = taps.shape[1]
+    hidden = draft(embeds, batch.positions.to(dev), taps, torch.arange(S, device=dev), None, batch.mask.to(dev))
+    bs, nb, H = hidden.shape
+    B = batch.labels.shape[2] + 1
+    hidden = hidden.view(bs, nb // B, B, H)[:, :, 1:]  # [Bs, N, B-1, H]: positions 1..B-1 predict
+    weights = batch.weights.to(dev)
+    keep = weights > 0
+    labels = batch.labels.to(dev)[keep]
+    if rows is None:
+        logits = target.lm_head(hidden[keep])  # [M, V]
+    else:
+        rows = rows.to(dev)
+        logits = hidden[keep] @ target.lm_head.weight[rows].T  # [M, |rows|]
+        labels = torch.searchsorted(rows, labels)  # position of each label among the rows
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    correct = torch.zeros(B - 1, device=dev)
+    pos = torch.arange(B - 1, device=dev).expand_as(weights)[keep]
+    correct.index_add_(0, pos, (logits.argmax(-1) == labels).float())
+    counts = torch.zeros(B - 1, device=dev).index_add_(0, pos, torch.ones_like(pos, dtype=torch.float))
+    return (ce * weights[keep]).sum(), weights.sum(), correct, counts
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    warm = max(1, int(cfg.warmup * cfg.max_steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _save_state(path: Path, model_state: dict, opt_state: dict, tap_scale, step: int, cfg: TrainConfig,
+                elapsed: float) -> None:
+    """Whole model and optimizer states (torch's formats). Atomic: write a new directory, then swap
+    it in by rename."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"draft.{k}": v.detach().cpu().contiguous() for k, v in model_state.items()}
+    for idx, st in opt_state["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    if tap_scale is not None:
+        tensors["tap_scale"] = tap_scale.cpu()
+    save_file(tensors, str(tmp / "state.safetensors"))
+    (tmp / "trainer.json").write_text(json.dumps(
+        {"step": step, "elapsed": elapsed, "config": asdict(cfg), "param_groups": opt_state["param_groups"]}, indent=1))
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(path: Path) -> tuple[dict, dict, torch.Tensor | None, int, float]:
+    """(model state, optimizer state, tap scale, step, elapsed seconds) of a saved run."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "state.safetensors"))
+    meta = json.loads((path / "trainer.json").read_text())
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, idx, name = k.split(".", 2)
+            state.setdefault(int(idx), {})[name] = v
+    model = {k[6:]: v for k, v in tensors.items() if k.startswith("draft.")}
+    opt = {"state": state, "param_groups": meta["param_groups"]}
+    return model, opt, tensors.get("tap_scale"), meta["step"], meta["elapsed"]
+
+
+def heldout_tau(draft, target, samples, n_prompts: int, max_new: int) -> float:
+    """Mean tau at the drafter's block size over up to n_prompts held-out samples, by replay
+    (replay.py: the engine's greedy steps without the target's verify forwards) against their
+    responses. Only responses that are the target's own greedy continuation count: regenerated
+    data, not a dataset's answers (their stored target predictions disagree with the response)."""
+    from ..evaluation.replay import replay
+
+    taus = []
+    for s in samples:
+        if len(taus) == n_prompts:
+            break
+        p = s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"])
+        ref = s["input_ids"][p : p + max_new]
+        if not ref or p == 0 or ("target_next" in s and s["target_next"][p - 1 : p - 1 + len(ref)] != ref):
+            continue
+        taus.append(replay(target, draft, s["input_ids"][:p], ref, draft.block_size, len(ref)).tau)
+    return sum(taus) / len(taus) if taus else float("nan")
+
+
+@torch.no_grad()
+def heldout_accuracy(draft, target, samples, feats, cfg: TrainConfig, tap_scale, mask_id: int) -> list[float]:
+    """Per-position accuracy over the full vocabulary on held-out responses, at fixed anchors
+    (up to 64 per sequence, seeded): comparable across runs whatever their training loss."""
+    from dataclasses import replace
+
+    eval_cfg = replace(cfg, anchors=64)
+    correct = counts = None
+    draft.eval()
+    for lo in range(0, len(samples), 4):
+        idx = list(range(lo, min(lo + 4, len(samples))))
+        batch = make_batch(samples, feats, idx, eval_cfg, mask_id, lambda j: torch.Generator().manual_seed(idx[j]))
+        _, _, c, n = training_forward(draft, target, batch, tap_scale, None)
+        correct, counts = (c, n) if correct is None else (correct + c, counts + n)
+    draft.train()
+    return [round(float(a), 4) for a in (correct / counts.clamp_min(1))] if correct is not None else []
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
+    from tqdm import tqdm
+
+    from .data import load_samples
+    from .features import CachedFeatures, OnlineFeatures, build_feature_cache, feature_dir, tap_channel_scale
+    from ..models.target import default_mask_token_id, load_target
+
+    par = setup(cfg.parallel)
+    rank, world = par.rank, par.world
+    if cfg.batch_size % world:
+        raise BlockdraftError(f"batch size {cfg.batch_size} is not divisible by {world} processes")
+    if cfg.labels not in ("data", "target"):
+        raise BlockdraftError(f"--labels must be 'data' or 'target' (got {cfg.labels!r})")
+    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.max_steps < 1:
+        raise BlockdraftError("block size >= 2, anchors >= 1 and max steps >= 1 are required")
+    out = Path(cfg.out)
+    state_dir = out / "state"
+    if state_dir.exists() and not resume:
+        raise BlockdraftError(f"{out} already holds a run; pass --resume to continue it or use a new --out")
+    torch.manual_seed(cfg.seed)
+    target = load_target(cfg.target, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and world > 1 else None)
+    samples = load_samples(cfg.data, "train")
+    heldout = load_samples(cfg.data, "heldout")
+    if not samples:
+        raise BlockdraftError(f"no training samples in {cfg.data}")
+    if cfg.labels == "target" and any("target_next" not in s for s in samples + heldout):
+        raise BlockdraftError(f"--labels target needs data made with `blockdraft data --responses dataset` "
+                              f"(the target's predictions); {cfg.data} has none")
+    dcfg = build_draft_config(target.config, cfg.num_layers, cfg.block_size,
+                              mask_token_id=default_mask_token_id(target), vocab_size=target.vocab_size)
+    draft = DraftModel(dcfg).to(target.device)
+    if cfg.init == "target":
+        init_from_target(draft, target)
+    elif cfg.init != "random" and not Path(cfg.init).is_dir():
+        raise BlockdraftError(f"--init must be 'random', 'target' or a drafter directory (got {cfg.init!r})")
+    if cfg.features == "cache":
+        if rank == 0:  # one writer; the other ranks wait, then only read
+            feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
+        if world > 1:
+            par.barrier()
+            feats = CachedFeatures(feature_dir(cfg.data, "train", dcfg.target_layer_ids))
+    else:
+        feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
+    tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
+    if cfg.init not in ("random", "target"):
+        init_from_drafter(draft, cfg.init, tap_scale)
+    frequent = frequent_tokens(samples, cfg.head_vocab, target.vocab_size) if cfg.head_vocab else None
+    step, elapsed = 0, 0.0
+    saved = _load_state(state_dir) if resume and state_dir.exists() else None
+    if saved:
+        draft.load_state_dict(saved[0])
+        tap_scale, step, elapsed = saved[2:]
+    model = par.wrap(draft)  # FSDP shards draft's parameters in place: the optimizer comes after
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if saved:
+        par.load_optimizer(draft, opt, saved[1])
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    @functools.lru_cache(maxsize=2)  # a step spans at most two epochs; don't redraw per sample
+    def epoch_order(epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(len(samples), generator=gen).tolist()
+
+    def sample_index(g: int) -> int:
+        """Global sample slot g -> sample index, a fresh permutation each epoch."""
+        epoch, pos = divmod(g, len(samples))
+        return epoch_order(epoch)[pos]
+
+    heldout_feats = OnlineFeatures(target, heldout, dcfg.target_layer_ids)
+
+    def evaluate(whole: DraftModel) -> dict:
+        acc = heldout_accuracy(whole, target, heldout, heldout_feats, cfg, tap_scale, dcfg.mask_token_id)
+        tau = heldout_tau(exportable(whole, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
+        return {"step": step, "heldout_tau": round(tau, 3) if tau == tau else None, "heldout_acc": acc}
+
+    def gather():
+        """(model state, optimizer state, the whole drafter on rank 0): every rank calls it."""
+        msd, osd = par.full_state(draft, opt)
+        return msd, osd, par.whole(draft, msd, lambda: DraftModel(dcfg).to(target.device)) if rank == 0 else None
+
+    def save(msd: dict, osd: dict, whole: DraftModel) -> None:
+        _save_state(state_dir, msd, osd, tap_scale, step, cfg, time.perf_counter() - t_start)
+        save_draft(exportable(whole, tap_scale), out / "drafter")
+
+    per_rank = cfg.batch_size // world
+    if heldout and cfg.eval_every and step == 0:  # where a run starts (e.g. from --init DIR)
+        whole = gather()[2]
+        if rank == 0:
+            log.write(json.dumps({**evaluate(whole), "elapsed": 0.0}) + "\n")
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
+    t_start, window_tokens, t_window = time.perf_counter() - elapsed, 0, time.perf_counter()
+    while step < cfg.max_steps:
+        if cfg.time_budget_minutes:  # every rank stops at the same step (clocks differ)
+            over = torch.tensor(float(time.perf_counter() - t_start > 60 * cfg.time_budget_minutes))
+            if par.all_reduce(over).item() > 0:
+                break
+        slots = [step * cfg.batch_size + rank * per_rank + j for j in range(per_rank)]
+        batch = make_batch(samples, feats, [sample_index(g) for g in slots], cfg, dcfg.mask_token_id,
+                           lambda j: torch.Generator().manual_seed(cfg.seed * 7_919 + slots[j]))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        model.train()
+        rows = head_rows(frequent, target.vocab_size, batch.labels,
+                         torch.Generator().manual_seed(cfg.seed * 104_729 + step))
+        # bf16 autocast on CUDA (mixed precision: fp32 master weights and optimizer); fp32 on the CPU
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
+            loss_sum, w_sum, correct, counts = training_forward(model, target, batch, tap_scale, rows)
+        total_w = w_sum.detach().clone()
+        par.all_reduce(total_w)  # normalise by the global batch's weight, so N ranks == 1 process
+        loss = loss_sum * world / total_w.clamp_min(1e-6)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP: a DTensor
+        opt.step()
+        step += 1
+        window_tokens += int(counts.sum())
+        bar.update(1)
+        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.max_steps):
+            now = time.perf_counter()
+            acc = (correct / counts.clamp_min(1)).tolist()
+            rec = {"step": step, "loss": round(loss.item() / world, 4), "lr": lr_at(step - 1, cfg),
+                   "grad_norm": round(float(gnorm), 3), "acc": [round(a, 3) for a in acc],
+                   "block_tokens_per_s": round(window_tokens * world / (now - t_window), 1),
+                   "elapsed": round(now - t_start, 1), "samples_seen": step * cfg.batch_size}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(loss=rec["loss"], acc1=rec["acc"][0])
+            window_tokens, t_window = 0, now
+        saving = step % cfg.save_every == 0 or step == cfg.max_steps
+        evaluating = bool(heldout) and cfg.eval_every and step % cfg.eval_every == 0
+        if saving or evaluating:  # the same steps on every rank: gathering is a collective
+            msd, osd, whole = gather()
+            if rank == 0 and saving:
+                save(msd, osd, whole)
+            if rank == 0 and evaluating:
+                log.write(json.dumps({**evaluate(whole), "elapsed": round(time.perf_counter() - t_start, 1)}) + "\n")
+                log.flush()
+    bar.close()
+    msd, osd, whole = gather()  # a time budget may end the run between save points
+    if rank == 0:
+        save(msd, osd, whole)
+        if heldout:
+            log.write(json.dumps({**evaluate(whole), "final": True}) + "\n")
+        log.close()
+    return out / "drafter"

