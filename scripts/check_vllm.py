@@ -10,9 +10,11 @@ template, sent to vLLM's completions endpoint as ids). vLLM is launched with the
 `blockdraft export --format vllm --cpu` prints, and its acceptance read from its Prometheus
 counters (`vllm:spec_decode_num_accepted_tokens_per_pos_total`) before and after each request.
 Ours: a step that commits a tokens accepted its first a - 1 drafts, so position k (0-based) counts
-the steps with a - 1 > k; measured on our prepacked kernels (as shipped) and on transformers' own.
+the steps with a - 1 > k; measured on our prepacked kernels (as shipped) and on transformers' own,
+and against the reference's own loop (`dflash==0.1.0`'s `dflash_generate`), which must agree exactly.
 
-Exits 1 unless every text and token id is identical and, summed over the prompts, the accepted
+Exits 1 unless every text and token id is identical, the reference's acceptance per position
+equals ours on every prompt, and, for vLLM, summed over the prompts, the accepted
 drafts at each position agree to within ACCEPT_TOLERANCE (relative) or ACCEPT_SLACK (absolute),
 and the steps likewise. Exact equality of acceptance is reported, not required: vLLM computes the
 same fp32 math with its own kernels (fused QKV, its CPU attention), and a weak drafter's near-ties
@@ -57,6 +59,32 @@ def our_side(prompts: list[list[int]], max_new_tokens: int, packed: bool = True)
         per_pos = [sum(1 for a in res.stats.acceptance_lengths if a - 1 > k) for k in range(BLOCK - 1)]
         out.append({"token_ids": res.token_ids, "text": res.text, "drafts": len(res.stats.acceptance_lengths),
                     "accepted_per_position": per_pos})
+    return out
+
+
+def reference_side(prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[dict]:
+    """The reference implementation's own loop (`dflash==0.1.0`'s `dflash_generate`, transformers
+    target, fp32) with the bundled drafter: its acceptance per position, counted as ours."""
+    import time as _time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import dflash.model as ref
+    from blockdraft.models.target import resolve_target_path
+
+    ref._cuda_time = _time.perf_counter  # its timer synchronises CUDA; this is the CPU
+    target = AutoModelForCausalLM.from_pretrained(resolve_target_path("smollm2-135m"), dtype=torch.float32).eval()
+    drafter = Path(__file__).resolve().parent.parent / "blockdraft" / "drafters" / "smollm2-135m"
+    draft = ref.DFlashDraftModel.from_pretrained(str(drafter), dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.inference_mode():
+            res = ref.dflash_generate(draft, target, torch.tensor([ids]), max_new_tokens, [eos], block_size=BLOCK,
+                                      return_stats=True)
+        out.append({"token_ids": res.output_ids[0, len(ids):].tolist(),
+                    "accepted_per_position": [sum(1 for a in res.acceptance_lengths if a - 1 > k)
+                                              for k in range(BLOCK - 1)]})
     return out
 
 
@@ -136,11 +164,13 @@ def main() -> int:
     names = args.dataset or ["humaneval", "mt-bench"]
     texts = [(d, t) for d in names for t in load_prompts(d, args.limit)]
     prompts = [tok_target.encode_prompt(t, True) for _, t in texts]
+    eos = tok_target.tokenizer.eos_token_id
     del tok_target
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     ours = our_side(prompts, args.max_new_tokens)
     ours_hf = our_side(prompts, args.max_new_tokens, packed=False)
+    reference = reference_side(prompts, args.max_new_tokens, eos)
     t1 = time.time()
     theirs = vllm_side(prompts, args.max_new_tokens, args.vllm_python, args.port, Path(args.log))
     t2 = time.time()
@@ -155,6 +185,9 @@ def main() -> int:
     steps = [sum(r["drafts"] for r in side) for side in (ours, theirs)]
     agree = all(close(a, b) for a, b in zip(ours_pos, theirs_pos)) and close(*steps)
     kernels_equal = all(a["accepted_per_position"] == c["accepted_per_position"] for a, c in zip(ours, ours_hf))
+    # the reference counts a step cut by the stop token as the tokens it kept, as we do
+    ref_equal = all(a["accepted_per_position"] == r["accepted_per_position"] for a, r in zip(ours, reference))
+    ref_text = all(r["token_ids"][: len(a["token_ids"])] == a["token_ids"] for a, r in zip(ours, reference))
     rows = [f"| {i} | {d} | {len(a['token_ids'])} | {'yes' if s else '**no**'} | {a['drafts']} / {b['drafts']} | "
             f"{'yes' if q else '**no**'} |"
             for i, ((d, _), a, b, s, q) in enumerate(zip(texts, ours, theirs, same_text, same_acc))]
@@ -179,19 +212,23 @@ def main() -> int:
         "|---|" + "---|" * (BLOCK - 1),
         "| blockdraft | " + " | ".join(str(v) for v in ours_pos) + " |",
         "| vLLM | " + " | ".join(str(v) for v in theirs_pos) + " |",
+        "| reference (`dflash_generate`) | " + " | ".join(str(v) for v in total(reference, "accepted_per_position"))
+        + " |",
         "",
         f"Result: {sum(same_text)}/{len(texts)} identical texts and token ids (ours on prepacked kernels, ours on "
         f"transformers' kernels, vLLM); acceptance per position identical on {sum(same_acc)}/{len(texts)} prompts, "
         f"steps {steps[0]} (ours) against {steps[1]} (vLLM), every position's total "
         f"{'within' if agree else '**outside**'} {ACCEPT_TOLERANCE:.0%} or {ACCEPT_SLACK} drafts. Our two kernel "
-        f"paths give {'the same' if kernels_equal else '**different**'} acceptance on every prompt. "
+        f"paths give {'the same' if kernels_equal else '**different**'} acceptance on every prompt; the reference's own "
+        f"loop gives {'exactly our' if ref_equal else '**not our**'} acceptance per position on every prompt"
+        f"{'' if ref_text else ' (**its text differs**)'}. "
         f"Time: blockdraft (both paths) {t1 - t0:.0f} s, vLLM (start and requests) {t2 - t1:.0f} s.",
         "",
     ])
     print(report)
     if args.report:
         Path(args.report).write_text(report)
-    return 0 if all(same_text) and agree else 1
+    return 0 if all(same_text) and agree and ref_equal and ref_text else 1
 
 
 def _vllm_version(python: str) -> str:

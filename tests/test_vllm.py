@@ -27,3 +27,4 @@ def test_vllm_serves_the_bundled_drafter_with_our_text_and_acceptance(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log
     text = report.read_text()
     assert "Result: 4/4 identical texts" in text and "within 5%" in text
+    assert "the reference's own loop gives exactly our acceptance per position on every prompt" in text
