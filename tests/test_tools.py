@@ -130,3 +130,15 @@ def test_serve_with_the_vllm_backend_execs_vllms_server_with_the_export_command(
     no_draft = [a if a != str(tmp_path / "draft") else "none" for a in base]
     none = subprocess.run(no_draft + ["--vllm-python", "echo"], capture_output=True, text=True, timeout=120)
     assert none.returncode == 2 and "--draft none" in none.stderr
+
+
+def test_export_reads_a_block_size_kept_in_dflash_config(tmp_path, capsys):
+    """z-lab's later drafters keep block_size in dflash_config, not at the top of config.json."""
+    target = tiny_target()
+    save_draft(tiny_draft(target, block_size=8), tmp_path / "draft")
+    path = tmp_path / "draft" / "config.json"
+    raw = json.loads(path.read_text())
+    raw["dflash_config"]["block_size"] = raw.pop("block_size")
+    path.write_text(json.dumps(raw))
+    assert main(["export", "--format", "vllm", "--target", "some/hub-id", "--draft", str(tmp_path / "draft")]) == 0
+    assert _spec(shlex.split(capsys.readouterr().out.strip()))["num_speculative_tokens"] == 7

@@ -20,9 +20,9 @@ def peer_command(fmt: str, target: str, draft: str | None, block_size: int | Non
     path = Path(draft) if draft else bundled_drafter(target)
     if path is None or not (path / "config.json").is_file():
         raise BlockdraftError(f"drafter {str(path) if path else '(bundled)'} has no config.json; pass --draft DIR")
-    if target == "smollm2-135m" or Path(target).exists():
-        from ..models.target import resolve_target_path
+    from ..models.target import SMOLLM2_ALIAS, resolve_target_path
 
+    if target == SMOLLM2_ALIAS or Path(target).exists():
         target_dir = str(resolve_target_path(target).resolve())
     else:
         target_dir = target  # a hub id the peer may download itself

@@ -65,5 +65,9 @@ def launch_command(fmt: str, target: str, drafter: str, block_size: int, dtype: 
 
 
 def drafter_block_size(drafter: str | Path) -> int:
-    """The block size a drafter was trained for (its config.json)."""
-    return int(json.loads((Path(drafter) / "config.json").read_text())["block_size"])
+    """The block size a drafter was trained for, read as `load_draft` reads it (at the top of
+    config.json or in its `dflash_config`, as z-lab publishes both)."""
+    from ..models.checkpoint import config_from_json
+
+    path = Path(drafter) / "config.json"
+    return config_from_json(json.loads(path.read_text()), str(path)).block_size

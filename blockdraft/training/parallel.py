@@ -55,17 +55,25 @@ class Parallel:
             fully_shard(draft, mesh=mesh)
         return draft
 
-    def full_state(self, draft: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def full_state(self, draft: torch.nn.Module, opt: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
         """(model state, optimizer state) as whole CPU tensors, the optimizer's in torch's own
-        format (state keyed by parameter index). A collective under FSDP: every rank must call
-        it; rank 0 gets the tensors (the others get empty dicts)."""
+        format (state keyed by parameter index); opt None: the model's only (for evaluation, where
+        gathering the Adam moments would move twice the weights for nothing). A collective under
+        FSDP: every rank must call it; rank 0 gets the tensors (the others get empty dicts)."""
         if not self.sharded:
-            return draft.state_dict(), opt.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+            return draft.state_dict(), opt.state_dict() if opt is not None else None
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_state_dict)
 
-        msd, osd = get_state_dict(draft, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if opt is None:
+            msd, osd = get_model_state_dict(draft, options=options), None
+        else:
+            msd, osd = get_state_dict(draft, opt, options=options)
         if self.rank:
-            return {}, {}
+            return {}, {} if opt is not None else None
+        if osd is None:
+            return msd, None
         names = [n for n, _ in draft.named_parameters()]
         index = {n: i for i, n in enumerate(names)}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -351,9 +350,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         tau = heldout_tau(exportable(whole, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
         return {"step": step, "heldout_tau": round(tau, 3) if tau == tau else None, "heldout_acc": acc}
 
-    def gather():
-        """(model state, optimizer state, the whole drafter on rank 0): every rank calls it."""
-        msd, osd = par.full_state(draft, opt)
+    def gather(with_optimizer: bool):
+        """(model state, optimizer state or None, the whole drafter on rank 0): every rank calls it."""
+        msd, osd = par.full_state(draft, opt if with_optimizer else None)
         return msd, osd, par.whole(draft, msd, lambda: DraftModel(dcfg).to(target.device)) if rank == 0 else None
 
     def save(msd: dict, osd: dict, whole: DraftModel) -> None:
@@ -362,7 +361,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
 
     per_rank = cfg.batch_size // world
     if heldout and cfg.eval_every and step == 0:  # where a run starts (e.g. from --init DIR)
-        whole = gather()[2]
+        whole = gather(with_optimizer=False)[2]
         if rank == 0:
             log.write(json.dumps({**evaluate(whole), "elapsed": 0.0}) + "\n")
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
@@ -405,17 +404,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
             log.flush()
             bar.set_postfix(loss=rec["loss"], acc1=rec["acc"][0])
             window_tokens, t_window = 0, now
-        saving = step % cfg.save_every == 0 or step == cfg.max_steps
+        # the last step is saved after the loop, which also ends runs a time budget cut short
+        saving = step % cfg.save_every == 0 and step < cfg.max_steps
         evaluating = bool(heldout) and cfg.eval_every and step % cfg.eval_every == 0
         if saving or evaluating:  # the same steps on every rank: gathering is a collective
-            msd, osd, whole = gather()
+            msd, osd, whole = gather(with_optimizer=saving)
             if rank == 0 and saving:
                 save(msd, osd, whole)
             if rank == 0 and evaluating:
                 log.write(json.dumps({**evaluate(whole), "elapsed": round(time.perf_counter() - t_start, 1)}) + "\n")
                 log.flush()
     bar.close()
-    msd, osd, whole = gather()  # a time budget may end the run between save points
+    msd, osd, whole = gather(with_optimizer=True)
     if rank == 0:
         save(msd, osd, whole)
         if heldout:
