@@ -92,6 +92,50 @@ def test_slot_rows_compute_what_caches_of_their_own_do():
         assert slots.slots == max(slots.lengths) and slots.valid.sum(1).tolist() == slots.lengths
 
 
+def test_slots_append_in_place_what_concatenation_would_hold():
+    """The slot cache's layers append into spare room (no copy of the cache per step) and hold,
+    after joins, ragged steps, holes, compaction and a leave, exactly what transformers' own
+    concatenating layers hold."""
+    target = tiny_target("llama")
+    fast, plain = SlotCache(), SlotCache()
+    for slots in (fast, plain):
+        for p in ([1, 2, 3, 4, 5], [7, 8, 9]):
+            c = target.new_cache()
+            target.forward(torch.tensor([p]), c, logits_at=1)
+            target.rollback(c, len(p))
+            slots.join(c)
+    for layer in plain.kv.layers:
+        layer.__dict__.pop("update")  # transformers' DynamicLayer.update: concatenation
+
+    def run(slots, blocks, kept):
+        slots.forward(target, [RowBlock(b) for b in blocks], None)
+        slots.keep(kept)
+
+    def same():
+        for a, b in zip(fast.kv.layers, plain.kv.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(fast.valid, plain.valid)
+
+    with torch.inference_mode():
+        steps = [([[20, 21, 22], [30]], [[0, 1], [0]]), ([[23], [31, 32, 33]], [[0], [0, 1, 2]]),
+                 ([[24, 25], [34]], [[0], [0]]), ([[26], [35]], [[0], [0]])]
+        for i, (blocks, kept) in enumerate(steps):
+            for slots in (fast, plain):
+                run(slots, blocks, kept)
+            same()
+            buffer = fast.kv.layers[0].buffer[0].data_ptr()
+            if i:
+                assert buffer == last  # appended in place: the same storage as the step before
+            last = buffer
+            assert fast.kv.layers[0].keys.data_ptr() == buffer
+        for slots in (fast, plain):
+            slots.compact()
+            slots.leave(0)
+            run(slots, [[40, 41]], [[0, 1]])
+            run(slots, [[42]], [[0]])
+        same()
+
+
 @pytest.mark.parametrize("mode", ["plain", "chain8", "adaptive", "tree6"])
 @pytest.mark.parametrize("n", [2, 5, 16])
 def test_batched_greedy_equals_each_request_alone(mode, n):

@@ -5,11 +5,11 @@ import torch
 from torch import nn
 
 from blockdraft.decoding.engine import Engine, GenerationConfig
-from blockdraft.models.kernels import is_packed, packing_available, prepack, use_packed
+from blockdraft.models.kernels import SHARED_KV_ATTENTION, is_packed, packing_available, prepack, use_packed
 from blockdraft.models.target import Target
 from blockdraft.decoding.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
 
-from conftest import tiny_draft, tiny_target
+from conftest import VOCAB, tiny_draft, tiny_target
 
 needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
                                    reason="oneDNN packing is unavailable in this torch build")
@@ -155,3 +155,31 @@ def test_dtype_flags_are_checked():
         build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float8"])
     args = build_parser().parse_args(["bench", "--dtype", "bfloat16", "--draft-dtype", "float32"])
     assert args.dtype == "bfloat16" and args.draft_dtype == "float32"
+
+
+def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask():
+    """The masked attention of a grouped-query target (4 query heads over 2 K/V heads here) shares
+    K/V heads in the kernel instead of copying them per group: the same logits, bit for bit."""
+    target = tiny_target("llama")
+    assert target.model.config._attn_implementation == SHARED_KV_ATTENTION
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=gen)
+    mask = torch.ones(12, 12, dtype=torch.bool).tril().repeat(3, 1, 1)  # [B, T, T]
+    mask &= (torch.rand(3, 12, 12, generator=gen) > 0.3) | torch.eye(12, dtype=torch.bool)  # holes, never a row without keys
+    with torch.inference_mode():
+        ours = target.model(ids, attention_mask=mask[:, None]).logits
+        target.model.set_attn_implementation("sdpa")
+        try:
+            theirs = target.model(ids, attention_mask=mask[:, None]).logits
+        finally:
+            target.model.set_attn_implementation(SHARED_KV_ATTENTION)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_model_whose_source_names_sdpa_keeps_it():
+    """DeepSeek-V3.2 computes sparse attention only under the name "sdpa" (dense under any other):
+    such a model must keep transformers' own implementation."""
+    from families import tiny_family
+
+    assert tiny_family("deepseek-v3.2").model.config._attn_implementation == "sdpa"
+    assert tiny_family("llama").model.config._attn_implementation == SHARED_KV_ATTENTION

@@ -13,6 +13,10 @@ With every row full and in step (no holes, equal lengths, chains) the forward pa
 model's own causal mask is the same. Plain attention layers only: a sliding window or a recurrent
 state is not a set of slots (`Target.supports_trees`); such targets decode one sequence at a time.
 A sequence joins with the cache of its own prefill (`join`) and leaves with its row (`leave`).
+
+A forward appends to every layer in place, into spare room after the slots (`_append_in_place`):
+transformers' cache layer concatenates, copying the whole cache of every layer at every step (a
+quarter of a 16-sequence step's time on SmolLM2, `python scripts/batch_forward.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+SPARE_SLOTS = 64  # room a layer's buffer keeps beyond its slots when it grows (at least; or half again)
 COMPACT_AT = 0.25  # compact the rows once that would cut this fraction of the slots
 
 
@@ -95,6 +100,8 @@ class SlotCache:
         n = kv.get_seq_length()
         if self.kv is None:
             self.kv, self.valid, self.lengths = kv, torch.ones(1, n, dtype=torch.bool), [n]
+            for layer in kv.layers:
+                layer.update = _append_in_place.__get__(layer)
             return
         s = max(self.slots, n)
         for mine, theirs in zip(self.kv.layers, kv.layers):
@@ -194,6 +201,32 @@ class SlotCache:
         for layer in self.kv.layers:
             layer.keys, layer.values = layer.keys[:, :, :s], layer.values[:, :, :s]
         self.valid = torch.arange(s)[None] < torch.tensor(self.lengths)[:, None]
+
+
+def _append_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+    """A plain attention cache layer's `update` (transformers' `DynamicLayer`, whose own update
+    concatenates): the new K/V [B, H, T, D] are written into the room after the layer's slots in
+    a buffer [B, H, capacity, D], and the layer's keys/values become the buffer's first slots
+    (views). Whatever replaced keys/values since (a join, a leave) is copied into a new buffer
+    once. Cutting slots off the end (views again) and compacting (in place) keep the buffer."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    old_k, old_v = layer.keys, layer.values
+    n, t = (old_k.shape[2] if old_k.dim() == 4 else 0), keys.shape[2]
+    buf = layer.__dict__.get("buffer")
+    fits = buf is not None and n > 0 and old_k.data_ptr() == buf[0].data_ptr() \
+        and old_v.data_ptr() == buf[1].data_ptr() and old_k.stride() == buf[0].stride() \
+        and old_k.shape[:2] == buf[0].shape[:2] and n + t <= buf[0].shape[2]
+    if not fits:
+        b, h, _, d = keys.shape
+        room = n + t + max(SPARE_SLOTS, (n + t) // 2)
+        buf = (keys.new_empty(b, h, room, d), values.new_empty(b, h, room, values.shape[3]))  # [B, H, capacity, D]
+        if n:
+            buf[0][:, :, :n], buf[1][:, :, :n] = old_k, old_v
+        layer.buffer = buf
+    buf[0][:, :, n:n + t], buf[1][:, :, n:n + t] = keys, values
+    layer.keys, layer.values = buf[0][:, :, :n + t], buf[1][:, :, :n + t]
+    return layer.keys, layer.values
 
 
 def _pad(t: torch.Tensor, s: int) -> torch.Tensor:

@@ -15,6 +15,13 @@ verify over 16 tokens then computes every linear layer exactly as 16 one-token f
 in place, without touching the model's source. Where packing does not apply (CUDA, fp16, a
 layer being trained) the layer runs as it always did. `use_packed(False)` (a context manager)
 runs the original layers again, for baselines that must be what transformers does by itself.
+
+The other change is in attention (`share_kv_heads`): transformers' SDPA path copies a
+grouped-query layer's whole K/V cache once per query-head group before every call that has a
+mask, because PyTorch's CUDA kernels do not share heads under a mask. The CPU kernel does, with
+the same result bit for bit, and every batch step and tree verify has a mask: SmolLM2 (3 K/V heads
+for 9 query heads) copied 3x its cache per layer, the largest single cost of a step of 16
+sequences (`python scripts/batch_forward.py`).
 """
 
 from __future__ import annotations
@@ -99,6 +106,64 @@ def unpack(module: nn.Module) -> None:
 
 def is_packed(layer: nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), _PackedForward)
+
+
+SHARED_KV_ATTENTION = "blockdraft_sdpa"  # the name our attention function is registered under
+
+
+def _shared_kv_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                    **kwargs):
+    """transformers' SDPA attention, except that a masked call of a grouped-query layer on the CPU
+    lets the kernel share each K/V head among its query heads (`enable_gqa`) instead of repeating
+    K/V first. query [B, Hq, T, D], key/value [B, Hkv, S, D]; returns [B, T, Hq, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.device.type != "cpu" \
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    mask = attention_mask[:, :, :, : key.shape[-2]]  # [B, 1, T, S]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def share_kv_heads(model: nn.Module) -> bool:
+    """Switch a transformers model that runs SDPA attention to `_shared_kv_sdpa` (its masks are
+    made as SDPA's). Models on another attention implementation keep it. True if switched."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation") \
+            or _branches_on_sdpa(model):
+        return False
+    AttentionInterface.register(SHARED_KV_ATTENTION, _shared_kv_sdpa)
+    AttentionMaskInterface.register(SHARED_KV_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(SHARED_KV_ATTENTION)
+    return config._attn_implementation == SHARED_KV_ATTENTION
+
+
+def _branches_on_sdpa(model: nn.Module) -> bool:
+    """Whether the model's own source names "sdpa" (DeepSeek-V3.2's sparse attention, gpt-oss's
+    sinks, Qwen3.5 ... decide what they compute by the implementation's name): such a model keeps
+    SDPA under its own name, or another name would change what it computes."""
+    import inspect
+    import sys
+
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if name.startswith("torch."):
+            continue
+        if module is None:
+            return True
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            return True  # unknown: keep what transformers chose
+        if '"sdpa"' in source or "'sdpa'" in source:
+            return True
+    return False
 
 
 def fast_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
