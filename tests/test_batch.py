@@ -161,6 +161,26 @@ def test_batched_greedy_equals_each_request_alone(mode, n):
             assert got[i] == alone[i], f"request {i}"
 
 
+def test_the_drafter_runs_once_per_step_for_every_sequence_that_drafts():
+    target = tiny_target("llama")
+    engine = Engine(target, tiny_draft(target, block_size=8))
+    calls = []
+    for name in ("blocks_hidden", "block_logits"):
+        original = getattr(engine.draft, name)
+        setattr(engine.draft, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    batch = engine.batch()
+    cfg = GenerationConfig(max_new_tokens=30, lookup=False, block_size=8, stop_token_ids=())
+    for p in prompts(4, seed=3):
+        batch.join(p, cfg, GenerationStats())
+    batched = 0
+    while batch.sequences:
+        before = len(calls)
+        blocks = {st.num_drafted for _, st in batch.step() if st.num_drafted}
+        assert len(calls) - before == len(blocks)  # one draft forward per block size, not per sequence
+        batched += calls[before:].count("blocks_hidden")
+    assert batched > 0
+
+
 def test_a_request_that_fails_its_checks_never_disturbs_the_batch():
     target = tiny_target("llama")
     engine = Engine(target, tiny_draft(target))

@@ -33,6 +33,47 @@ def test_cached_incremental_forward_equals_from_scratch():
     torch.testing.assert_close(out, scratch, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sliding", [False, True])
+def test_one_draft_forward_for_several_sequences_equals_each_alone(tmp_path, sliding):
+    """`blocks_hidden`: three sequences with caches and pending contexts of different lengths in one
+    forward draft what each drafts alone, and leave each cache as its own forward would."""
+    if sliding:
+        target, path = _sliding_drafter(tmp_path)
+        draft = load_draft(path)
+    else:
+        target = tiny_target("llama")
+        draft = tiny_draft(target, block_size=6)
+    block = 6
+    torch.manual_seed(0)
+    width = len(draft.cfg.target_layer_ids) * target.hidden_size
+    history, pending = [9, 0, 4], [3, 1, 5]  # context already cached, and arriving now
+    anchors, positions = [5, 7, 11], [h + p for h, p in zip(history, pending)]
+    taps = [torch.randn(1, h + p, width) for h, p in zip(history, pending)]
+
+    def caches():
+        out = []
+        for t, h in zip(taps, history):
+            cache = DraftCache(len(draft.layers))
+            if h:
+                draft.block_hidden(target.embed_tokens, cache, t[:, :h], 1, h, 2)
+            out.append(cache)
+        return out
+
+    with torch.inference_mode():
+        alone, mine = caches(), caches()
+        want = [draft.block_hidden(target.embed_tokens, c, t[:, h:], a, p, block)
+                for c, t, h, a, p in zip(alone, taps, history, anchors, positions)]
+        got = draft.blocks_hidden(target.embed_tokens, mine, [t[:, h:] for t, h in zip(taps, history)], anchors,
+                                  positions, block)
+    assert got.shape == (3, block - 1, target.hidden_size)
+    for r in range(3):
+        torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-5)
+        assert mine[r].length == alone[r].length == positions[r]
+        for layer in range(len(draft.layers)):
+            n = alone[r].length
+            torch.testing.assert_close(mine[r].k[layer][:, :, :n], alone[r].k[layer][:, :, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_save_load_round_trip(tmp_path):
     target = tiny_target("llama")
     draft = tiny_draft(target)

@@ -125,12 +125,23 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     return seq, cache, Step(first, 0, 0)
 
 
+@dataclass
+class DraftWanted:
+    """A sequence whose proposal waits for the drafter's logits of a block: the drafter runs once
+    for every sequence of a step that drafts (`draft_blocks`)."""
+
+    seq: Sequence
+    block: int
+    finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's logits [block - 1, V]
+
+
 def propose(seq: Sequence, target: Target, draft: DraftModel | None, cap: int | None,
-            clock: Callable[[], float]) -> Proposal:
+            clock: Callable[[], float]) -> Proposal | DraftWanted:
     """Step 1, for one sequence: what the target verifies after its anchor, never more than the
     budget or the context can take, nor than `cap` (a batch's choice) where the request adapts.
     Chains: prompt-lookup tokens where they are expected to pay (no forward at all), else the
-    drafter's block. Trees: the drafter's candidates and the lookup continuation in one tree."""
+    drafter's block. Trees: the drafter's candidates and the lookup continuation in one tree.
+    Where the drafter must run, what it is asked for (`DraftWanted`)."""
     p, times = seq.proposers, seq.stats.step_seconds
     times.mark = clock()
     room = seq.room
@@ -138,28 +149,46 @@ def propose(seq: Sequence, target: Target, draft: DraftModel | None, cap: int | 
     if cap is not None and adapts:
         room = min(room, cap)
     history = seq.prompt_ids + seq.stopper.generated
-    device = target.device
-
-    def draft_forward(block: int) -> torch.Tensor:
-        """The drafter's logits [block - 1, V] for the positions after the anchor."""
-        return draft.block_logits(target.embed_tokens, draft.head_for(target.lm_head), seq.draft_cache,
-                                  torch.cat(seq.pending_taps, dim=1), seq.anchor, seq.position, block)
-
     if p.tree_budget is None:
-        proposal = p.propose_lookup(history, room, device, batched=cap is not None)
+        proposal = p.propose_lookup(history, room, target.device, batched=cap is not None)
         times.lap("lookup", clock())
-        if proposal is None:
-            block = room if cap is not None and p.chain is not None else p.chain_block(room)
-            proposal = p.propose_chain(draft_forward(block), seq.gen) if block > 1 else Proposal(policy=p.chain)
-    else:
-        branch = p.lookup_branch(history, room)
-        times.lap("lookup", clock())
-        depth = min(p.block_size, room) - 1  # block positions the drafter may propose
-        size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
-        proposal = p.propose_tree(draft_forward(depth + 1), seq.anchor, size, branch, seq.gen) \
-            if size > 1 and depth > 0 else Proposal(policy=p.tree)
-    times.lap("draft", clock())
-    return proposal
+        if proposal is not None:
+            return proposal
+        block = room if cap is not None and p.chain is not None else p.chain_block(room)
+        if block > 1:
+            return DraftWanted(seq, block, lambda logits: p.propose_chain(logits, seq.gen))
+        return Proposal(policy=p.chain)
+    branch = p.lookup_branch(history, room)
+    times.lap("lookup", clock())
+    depth = min(p.block_size, room) - 1  # block positions the drafter may propose
+    size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
+    if size > 1 and depth > 0:
+        return DraftWanted(seq, depth + 1, lambda logits: p.propose_tree(logits, seq.anchor, size, branch, seq.gen))
+    return Proposal(policy=p.tree)
+
+
+def draft_blocks(wanted: list[DraftWanted], target: Target, draft: DraftModel) -> list[torch.Tensor]:
+    """The drafter's logits [block - 1, V] for every sequence that wants a block: one draft
+    forward for all that want the same block size (a lone sequence runs the single-sequence
+    forward, the reference's numerics)."""
+    head = draft.head_for(target.lm_head)
+    logits: list[torch.Tensor | None] = [None] * len(wanted)
+    by_block: dict[int, list[int]] = {}
+    for i, w in enumerate(wanted):
+        by_block.setdefault(w.block, []).append(i)
+    for block, group in by_block.items():
+        seqs = [wanted[i].seq for i in group]
+        if len(seqs) == 1:
+            s = seqs[0]
+            out = draft.block_logits(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
+                                     s.anchor, s.position, block)[None]
+        else:
+            out = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
+                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
+                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
+        for row, i in enumerate(group):  # out: [B_block, block - 1, V]
+            logits[i] = out[row]
+    return logits
 
 
 def block_of(seq: Sequence, proposal: Proposal) -> RowBlock:
@@ -246,11 +275,19 @@ class Batch:
             cap = load.choose()
             if self.max_step_tokens is not None:
                 cap = max(1, min(cap, self.max_step_tokens // len(seqs)))
-        # 1. Propose, per sequence.
+        # 1. Propose, per sequence; one draft forward for all the sequences that draft.
         proposals = []
         for s in seqs:
             s.t0 = t_step if s.t0 is None else s.t0
             proposals.append(propose(s, self.target, self.draft, cap, clock))
+        wanted = [p for p in proposals if isinstance(p, DraftWanted)]
+        if wanted:
+            t = clock()
+            drafted = {id(w): w.finish(logits) for w, logits in zip(wanted, draft_blocks(wanted, self.target,
+                                                                                        self.draft))}
+            proposals = [drafted.get(id(p), p) for p in proposals]
+            for w in wanted:
+                w.seq.stats.step_seconds.draft += clock() - t
         # 2. Verify: one target forward over every sequence's block (or plain token).
         t = clock()
         taps = next((s.taps for s in seqs if s.taps), None)

@@ -11,57 +11,13 @@ K/V are transient. Training calls the same layers with all blocks packed and a b
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
-    """K taps spread evenly from layer 1 to layer L-3 (DFLASH.md; Python's round)."""
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    span = (num_target_layers - 3) - 1
-    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    rope_scaling: dict | None = None  # the RoPE parameters of a scaled type (yarn, llama3, linear); None: default
-    # per layer "full_attention" (the DFlash default: the block sees all context and itself) or
-    # "sliding_attention" (z-lab's later drafters: the last `sliding_window` positions, causal);
-    # None: all full. `is_causal` overrides causality for every layer, as the reference reads it.
-    layer_types: list[str] | None = None
-    sliding_window: int | None = None
-    is_causal: bool | None = None
-    extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
-
-    def layer_attention(self, i: int) -> tuple[bool, int | None]:
-        """(causal, window) of draft layer i."""
-        sliding = self.layer_types is not None and self.layer_types[i] == "sliding_attention"
-        causal = sliding if self.is_causal is None else self.is_causal
-        return causal, self.sliding_window if sliding else None
-
-    @property
-    def plain_attention(self) -> bool:
-        """Every layer full and bidirectional (what the trainer builds and its packed mask assumes)."""
-        return all(self.layer_attention(i) == (False, None) for i in range(self.num_layers))
+from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
+    SCALED_ROPE_TYPES, DraftConfig, build_draft_config, default_target_layer_ids, init_scale_check,
+)
 
 
 class RMSNorm(nn.Module):
@@ -75,9 +31,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")  # static in the position; dynamic / longrope are not
 
 
 def scaled_rope(cfg: "DraftConfig", device) -> tuple[torch.Tensor, float]:
@@ -155,18 +108,27 @@ class DraftAttention(nn.Module):
         return self._kv(c, cos_sin)
 
     def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+        """ctx_k/ctx_v: [B, Hkv, Tc, D], or a list of B such [1, Hkv, Tc_r, D] (a batch of
+        sequences, each with a context of its own: its own attention, the projections shared)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, -1, self.cfg.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos_sin)  # [B, Hq, T, D]
         k, v = self._kv(x, cos_sin)
+        if isinstance(ctx_k, list):
+            out = torch.cat([self._attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], ctx_k[r], ctx_v[r], None)
+                             for r in range(b)])
+        else:
+            out = self._attend(q, k, v, ctx_k, ctx_v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(self, q, k, v, ctx_k, ctx_v, mask) -> torch.Tensor:
         k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
         v = torch.cat([ctx_v, v], dim=2)
         if mask is None:  # inference: context then block, in position order
-            mask = window_mask(t, k.shape[2], self.causal, self.window, x.device)
-        out = F.scaled_dot_product_attention(
+            mask = window_mask(q.shape[2], k.shape[2], self.causal, self.window, q.device)
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        )  # [B, Hq, T, D]
 
 
 class DraftMLP(nn.Module):
@@ -314,6 +276,30 @@ class DraftModel(nn.Module):
         )  # [1, block, H]
         return hidden[0, 1:]
 
+    def blocks_hidden(
+        self, embed: nn.Module, caches: list[DraftCache], context_taps: list[torch.Tensor], anchors: list[int],
+        positions: list[int], block: int,
+    ) -> torch.Tensor:
+        """`block_hidden` of several sequences in one forward, each with its own cache and pending
+        taps [1, Tc_r, K*H]: the linear layers run once over every sequence's rows (their weights
+        read once, not once per sequence), the attention per sequence. Returns [B, block-1, H]."""
+        device = context_taps[0].device
+        ids = torch.full((len(caches), block), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor(anchors, device=device)
+        block_positions = torch.tensor(positions, device=device)[:, None] + torch.arange(block, device=device)
+        sizes = [t.shape[1] for t in context_taps]
+        ctx_positions = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, sizes)])
+        x = embed(ids).to(self.dtype)  # [B, block, H]
+        c = self.fuse(torch.cat(context_taps, dim=1).to(self.dtype))  # [1, sum Tc_r, H]: every new context
+        block_rope, ctx_rope = self.rope(block_positions, x.dtype), self.rope(ctx_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.context_kv(c, ctx_rope)  # [1, Hkv, sum Tc_r, D]
+            kv = [cache.append(i, k, v) for cache, k, v in zip(caches, ctx_k.split(sizes, 2), ctx_v.split(sizes, 2))]
+            x = layer(x, block_rope, [k for k, _ in kv], [v for _, v in kv])
+        for cache, n in zip(caches, sizes):
+            cache.length += n
+        return self.norm(x)[:, 1:]
+
     def block_logits(
         self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
         anchor: int, position: int, block: int,
@@ -336,65 +322,3 @@ class DraftModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def build_draft_config(
-    target_config,
-    num_layers: int = 5,
-    block_size: int = 16,
-    target_layer_ids: list[int] | None = None,
-    mask_token_id: int = 0,
-    num_taps: int = 5,
-    vocab_size: int | None = None,
-) -> DraftConfig:
-    """A draft sized like the target (hidden size, heads, MLP width, RoPE base)."""
-    t = target_config
-    n_target = int(t.num_hidden_layers)
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    num_kv_heads = int(getattr(t, "num_key_value_heads", None) or t.num_attention_heads)
-    if getattr(t, "kv_lora_rank", None):
-        # MLA (DeepSeek-V3, Kimi-K2.5): no per-head K/V to copy; the draft's plain attention takes
-        # the value head size and the target's query heads, with grouped K/V as in GQA targets
-        head_dim = int(t.v_head_dim)
-        num_kv_heads = max(k for k in (1, 2, 4, 8) if t.num_attention_heads % k == 0)
-    rope = getattr(t, "rope_parameters", None) or {}
-    if "full_attention" in rope:  # per layer type (Gemma-3): the draft's layers are full attention
-        rope = rope["full_attention"] or {}
-    theta = rope.get("rope_theta", None) or getattr(t, "rope_theta", None) or 10000.0
-    # a scaled RoPE (LLaMA-3.1's llama3, DeepSeek-V3 / Kimi-K2.5's YaRN) is the draft's too, as in
-    # z-lab's Kimi-K2.5 drafter
-    kind = rope.get("rope_type", "default")
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if kind in SCALED_ROPE_TYPES else None
-    return DraftConfig(
-        hidden_size=int(t.hidden_size),
-        intermediate_size=int(t.intermediate_size),
-        num_layers=num_layers,
-        num_heads=int(t.num_attention_heads),
-        num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim),
-        vocab_size=int(vocab_size or t.vocab_size),
-        num_target_layers=n_target,
-        target_layer_ids=list(target_layer_ids or default_target_layer_ids(n_target, num_taps)),
-        mask_token_id=int(mask_token_id),
-        block_size=block_size,
-        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
-        rope_scaling=scaling,
-    )
-
-
-def init_scale_check(cfg: DraftConfig) -> None:
-    """Sanity of a config on its own (fit to a target is checked in `checkpoint.check_fits`)."""
-    from ..errors import BlockdraftError
-
-    if cfg.block_size < 2:
-        raise BlockdraftError(f"block_size must be >= 2 (got {cfg.block_size})")
-    if cfg.num_layers < 1:
-        raise BlockdraftError(f"num_layers must be >= 1 (got {cfg.num_layers})")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise BlockdraftError(
-            f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}"
-        )
-    if cfg.head_dim % 2 or not math.isfinite(cfg.rope_theta) or cfg.rope_theta <= 0:
-        raise BlockdraftError(f"bad head_dim {cfg.head_dim} or rope_theta {cfg.rope_theta}")
