@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from blockdraft.decoding.adaptive import AdaptiveBlockPolicy, load_policy
+from blockdraft.decoding.adaptive import AdaptiveBlockPolicy, SequenceRates, load_policy
 from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.slots import RowBlock, SlotCache
@@ -260,6 +260,32 @@ def test_the_load_policy_speculates_wide_alone_and_narrows_under_load():
     assert chosen[1] > chosen[8] > chosen[64] == 1, chosen
     # a new batch size starts from its neighbour's costs: no first step of full blocks
     assert load_policy(policies, chain, 9).choose() == load_policy(policies, chain, 8).choose() < 16
+
+
+def test_a_batch_block_follows_what_its_own_sequences_accept():
+    """Four sequences in a batch, the cost c(k) = 1 + 0.1 k: sequences that accept 90% of their
+    drafts get a wide block, sequences that accept none plain steps, a mix in between, whatever
+    the engine's shared rates say (both start from the same ones)."""
+    rng = random.Random(0)
+    policies: dict = {}
+    chain = policies.setdefault(16, AdaptiveBlockPolicy(16))
+    load = load_policy(policies, chain, 4)
+    load.cost = {k: 1 + 0.1 * k for k in range(1, 17)}
+
+    def sequence(accept: float) -> SequenceRates:
+        own = SequenceRates(16, prior=chain.alphas())
+        for _ in range(100):
+            own.learn(16, next((j for j in range(15) if rng.random() > accept), 15))
+        return own
+
+    def choice(rates: list[SequenceRates]) -> int:
+        load.plan([sum(r.expected_tokens(b) for r in rates) / len(rates) for b in range(1, 17)])
+        load.steps_since_probe = 0  # the choice itself, not a probe
+        return load.choose()
+
+    good, bad = [sequence(0.9) for _ in range(4)], [sequence(0.0) for _ in range(4)]
+    wide, mixed, plain = choice(good), choice(good[:2] + bad[:2]), choice(bad)
+    assert wide > mixed > plain == 1, (wide, mixed, plain)
 
 
 def test_a_batch_policy_chooses_whatever_its_neighbour_has_measured():

@@ -77,7 +77,9 @@ def test_plain_steps_inside_speculative_decoding_keep_the_draft_context(monkeypa
     draft = tiny_draft(target, block_size=6)
     seen = record_draft_contexts(monkeypatch, draft)
     plain = greedy(Engine(target), PROMPTS[0], n=60).token_ids
-    got = greedy(Engine(target, draft), PROMPTS[0], n=60)  # adaptive: plain steps and probes
+    from test_adaptive import SimulatedClock  # costs that do not depend on this machine's speed
+
+    got = greedy(Engine(target, draft, clock=SimulatedClock(target, draft)), PROMPTS[0], n=60)  # plain steps, probes
     assert got.token_ids == plain
     drafted_steps = len(seen)
     assert 2 <= drafted_steps < len(got.stats.acceptance_lengths)  # both kinds of step occurred

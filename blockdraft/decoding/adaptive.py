@@ -141,10 +141,40 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
         pass  # acceptance is learned by the tree's rates
 
 
-def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> AdaptiveBlockPolicy:
+@dataclass
+class SequenceRates(AdaptiveBlockPolicy):
+    """One request's own acceptance per block position: the engine's shared rates when it
+    started, worth `prior_weight` steps, moved by its own steps. A batch's block is chosen from its
+    sequences' rates (`LoadPolicy.plan`), so code the drafter predicts well beside chat it predicts
+    poorly gets the block their mix pays for, not the average of past requests."""
+
+    prior_weight: float = 8.0
+    prior: list[float] = field(default_factory=list)  # alpha_j for j = 1..max_block-1
+
+    def alphas(self) -> list[float]:
+        w = self.prior_weight
+        return [(self.passed[j] + w * self.prior[j - 1]) / (self.tried[j] + w) for j in range(1, self.max_block)]
+
+
+@dataclass
+class LoadPolicy(AdaptiveBlockPolicy):
+    """A batch's block choice (`load_policy`): its costs are those of steps over this many
+    sequences; its expected tokens per sequence, the mean of its sequences' own (`plan`, before
+    each choice), else the shared rates."""
+
+    expected: list[float] = field(default_factory=list)  # E(b) for b = 1..max_block
+
+    def plan(self, expected: list[float]) -> None:
+        self.expected = expected
+
+    def expected_tokens(self, block: int) -> float:
+        return self.expected[block - 1] if self.expected else super().expected_tokens(block)
+
+
+def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> LoadPolicy:
     """The block choice for steps over `batch` sequences at once (decoding.Batch): the drafter's
-    acceptance is the chain's (it does not depend on the load), learned by every step whatever its
-    batch; the cost of a step is measured for each batch size apart, since one forward over B
+    acceptance does not depend on the load, so its expected tokens are the sequences' own rates
+    (`plan`) or the chain's, learned by every step whatever its batch; the cost of a step is measured for each batch size apart, since one forward over B
     blocks of b tokens costs neither B times nor once a forward of b. So a lone request
     speculates as wide as pays, and a full batch narrows down to plain steps where that pays.
     A new batch size B expects, until it measures them, its nearest smaller neighbour B''s costs:
@@ -155,7 +185,7 @@ def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> Adapt
     key = ("load", chain.max_block, batch)
     policy = policies.get(key)
     if policy is None:
-        policy = policies[key] = AdaptiveBlockPolicy(chain.max_block)
+        policy = policies[key] = LoadPolicy(chain.max_block)
         policy.tried, policy.passed = chain.tried, chain.passed  # the same lists: shared acceptance
         smaller = max((b for b in range(1, batch) if b == 1 or ("load", chain.max_block, b) in policies), default=1)
         near = chain if smaller == 1 else policies[("load", chain.max_block, smaller)]

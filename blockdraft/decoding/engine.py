@@ -19,11 +19,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .adaptive import AdaptiveBlockPolicy, load_policy
+from .adaptive import AdaptiveBlockPolicy, LoadPolicy, load_policy
 from ..models.checkpoint import check_fits
 from ..models.draft import DraftCache, DraftModel
 from ..models.kernels import prepack
-from .propose import LOOKUP_BLOCK, Proposal, Proposers  # noqa: F401  (LOOKUP_BLOCK: re-exported)
+from .propose import LOOKUP_BLOCK, DraftWanted, Proposal, Proposers, draft_blocks  # noqa: F401  (LOOKUP_BLOCK: re-exported)
 from .slots import OwnCache, RowBlock, SlotCache
 from .state import (  # noqa: F401  (re-exported: what callers of the engine use)
     GenerationConfig, GenerationResult, GenerationStats, Step, StepSeconds, Stopper, add_counts, validate_request,
@@ -125,16 +125,6 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     return seq, cache, Step(first, 0, 0)
 
 
-@dataclass
-class DraftWanted:
-    """A sequence whose proposal waits for the drafter's logits of a block: the drafter runs once
-    for every sequence of a step that drafts (`draft_blocks`)."""
-
-    seq: Sequence
-    block: int
-    finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's logits [block - 1, V]
-
-
 def propose(seq: Sequence, target: Target, draft: DraftModel | None, cap: int | None,
             clock: Callable[[], float]) -> Proposal | DraftWanted:
     """Step 1, for one sequence: what the target verifies after its anchor, never more than the
@@ -165,30 +155,6 @@ def propose(seq: Sequence, target: Target, draft: DraftModel | None, cap: int | 
     if size > 1 and depth > 0:
         return DraftWanted(seq, depth + 1, lambda logits: p.propose_tree(logits, seq.anchor, size, branch, seq.gen))
     return Proposal(policy=p.tree)
-
-
-def draft_blocks(wanted: list[DraftWanted], target: Target, draft: DraftModel) -> list[torch.Tensor]:
-    """The drafter's logits [block - 1, V] for every sequence that wants a block: one draft
-    forward for all that want the same block size (a lone sequence runs the single-sequence
-    forward, the reference's numerics)."""
-    head = draft.head_for(target.lm_head)
-    logits: list[torch.Tensor | None] = [None] * len(wanted)
-    by_block: dict[int, list[int]] = {}
-    for i, w in enumerate(wanted):
-        by_block.setdefault(w.block, []).append(i)
-    for block, group in by_block.items():
-        seqs = [wanted[i].seq for i in group]
-        if len(seqs) == 1:
-            s = seqs[0]
-            out = draft.block_logits(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
-                                     s.anchor, s.position, block)[None]
-        else:
-            out = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
-                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
-                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
-        for row, i in enumerate(group):  # out: [B_block, block - 1, V]
-            logits[i] = out[row]
-    return logits
 
 
 def block_of(seq: Sequence, proposal: Proposal) -> RowBlock:
@@ -257,12 +223,23 @@ class Batch:
         self.cache.leave(r)
         del self.sequences[r]
 
-    def _load(self) -> AdaptiveBlockPolicy | None:
-        """With several sequences, the block choice for this many (None: each its own)."""
+    def _load(self) -> LoadPolicy | None:
+        """With several sequences, the block choice for this many (None: each its own), planned
+        with the sequences' expected tokens: a chain's own acceptance; a tree's or a lookup's, the
+        shared chain rates; one whose block does not follow the batch's, one token a step."""
         chain = self.policies.get(self.draft.block_size) if self.draft is not None else None
         if len(self.sequences) < 2 or not isinstance(chain, AdaptiveBlockPolicy):
             return None
-        return load_policy(self.policies, chain, len(self.sequences))
+        load = load_policy(self.policies, chain, len(self.sequences))
+
+        def expected(p: Proposers, block: int) -> float:
+            if p.own is not None:
+                return p.own.expected_tokens(block)
+            return chain.expected_tokens(block) if p.tree is not None or p.lookup_adaptive else 1.0
+
+        load.plan([sum(expected(s.proposers, b) for s in self.sequences) / len(self.sequences)
+                   for b in range(1, load.max_block + 1)])
+        return load
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Step]]:
@@ -323,6 +300,8 @@ class Batch:
         """The policies learn the step: alone, each its acceptance and the step's cost; together,
         each its acceptance, and the batch's policy what a step of this many cost."""
         for s, p, o in zip(self.sequences, proposals, outcomes):
+            if s.proposers.own is not None and p.policy is s.proposers.chain:
+                s.proposers.own.learn(p.block, o.accepted)
             if load is not None:
                 if p.policy is not None:
                     p.policy.learn(p.block, o.accepted)

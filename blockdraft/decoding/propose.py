@@ -6,16 +6,19 @@
 - the drafter's tree (tree.py): the same forward, several candidates per position, the lookup
   continuation as one more branch, its node budget chosen from the measured cost of verifying n
   tokens (down to a plain step).
-Each returns a `Proposal`; engine.py verifies it with one target forward and commits.
+Each returns a `Proposal`; engine.py verifies it with one target forward and commits. Where the
+drafter must run, the step first collects what every sequence asks of it (`DraftWanted`) and runs
+one draft forward for all (`draft_blocks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from .adaptive import AdaptiveBlockPolicy, TreeBudgetPolicy
+from .adaptive import AdaptiveBlockPolicy, SequenceRates, TreeBudgetPolicy
 from .lookup import lookup_proposals
 from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees
 from .verify import SamplingParams, probs_from_logits, sample
@@ -45,6 +48,7 @@ class Proposers:
 
     block_size: int  # the drafter's block for this request (1: no drafter)
     chain: AdaptiveBlockPolicy | None = None  # the drafter chain's block choice
+    own: SequenceRates | None = None  # this request's own chain acceptance (what a batch's choice sums)
     lookup_block: int = 1  # largest lookup block (1: lookup off)
     lookup_adaptive: bool = False
     lookup: dict = field(default_factory=dict)  # (n-gram, max block) -> AdaptiveBlockPolicy
@@ -67,6 +71,7 @@ class Proposers:
         tree = config.tree_budget is not None and block_size > 1
         if has_draft and adaptive and not tree:
             p.chain = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
+            p.own = SequenceRates(block_size, prior=p.chain.alphas())
         if config.lookup:
             p.lookup_block = config.block_size or LOOKUP_BLOCK
             p.lookup_adaptive = adaptive
@@ -96,7 +101,7 @@ class Proposers:
         if batched:
             tokens = found.tokens
             if policy is not None and self.chain is not None and \
-                    policy.expected_tokens(1 + len(tokens)) < self.chain.expected_tokens(room):
+                    policy.expected_tokens(1 + len(tokens)) < (self.own or self.chain).expected_tokens(room):
                 return None
             return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
         tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens
@@ -151,3 +156,37 @@ class Proposers:
             tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
         drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_logits.device)
         return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
+
+
+@dataclass
+class DraftWanted:
+    """A sequence whose proposal waits for the drafter's logits of a block: the drafter runs once
+    for every sequence of a step that drafts (`draft_blocks`)."""
+
+    seq: object  # engine.Sequence
+    block: int
+    finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's logits [block - 1, V]
+
+
+def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]:
+    """The drafter's logits [block - 1, V] for every sequence that wants a block: one draft
+    forward for all that want the same block size (a lone sequence runs the single-sequence
+    forward, the reference's numerics)."""
+    head = draft.head_for(target.lm_head)
+    logits: list[torch.Tensor | None] = [None] * len(wanted)
+    by_block: dict[int, list[int]] = {}
+    for i, w in enumerate(wanted):
+        by_block.setdefault(w.block, []).append(i)
+    for block, group in by_block.items():
+        seqs = [wanted[i].seq for i in group]
+        if len(seqs) == 1:
+            s = seqs[0]
+            out = draft.block_logits(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
+                                     s.anchor, s.position, block)[None]
+        else:
+            out = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
+                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
+                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
+        for row, i in enumerate(group):  # out: [B_block, block - 1, V]
+            logits[i] = out[row]
+    return logits
