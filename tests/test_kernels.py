@@ -157,7 +157,7 @@ def test_dtype_flags_are_checked():
     assert args.dtype == "bfloat16" and args.draft_dtype == "float32"
 
 
-def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask():
+def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask(monkeypatch):
     """The masked attention of a grouped-query target (4 query heads over 2 K/V heads here) shares
     K/V heads in the kernel instead of copying them per group: the same logits, bit for bit."""
     target = tiny_target("llama")
@@ -174,6 +174,14 @@ def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask():
         finally:
             target.model.set_attn_implementation(SHARED_KV_ATTENTION)
     assert torch.equal(ours, theirs)
+    calls = []
+    import transformers.integrations.sdpa_attention as sdpa
+
+    real = sdpa.sdpa_attention_forward
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode(), use_packed(False):  # the baselines: transformers' own attention, copies and all
+        target.model(ids, attention_mask=mask[:, None])
+    assert len(calls) == target.num_layers
 
 
 def test_a_model_whose_source_names_sdpa_keeps_it():

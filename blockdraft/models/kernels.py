@@ -14,7 +14,8 @@ verify over 16 tokens then computes every linear layer exactly as 16 one-token f
 `prepack(module)` swaps the forward of every `nn.Linear` under `module` for the packed one,
 in place, without touching the model's source. Where packing does not apply (CUDA, fp16, a
 layer being trained) the layer runs as it always did. `use_packed(False)` (a context manager)
-runs the original layers again, for baselines that must be what transformers does by itself.
+runs the original layers again, and transformers' own attention, for baselines that must be what
+transformers does by itself.
 
 The other change is in attention (`share_kv_heads`): transformers' SDPA path copies a
 grouped-query layer's whole K/V cache once per query-head group before every call that has a
@@ -119,7 +120,8 @@ def _shared_kv_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.device.type != "cpu" \
-            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"):
+            or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") \
+            or not _STATE.__dict__.get("enabled", True):  # use_packed(False): transformers as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     mask = attention_mask[:, :, :, : key.shape[-2]]  # [B, 1, T, S]
