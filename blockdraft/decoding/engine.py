@@ -125,8 +125,7 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     return seq, cache, Step(first, 0, 0)
 
 
-def propose(seq: Sequence, target: Target, draft: DraftModel | None, cap: int | None,
-            clock: Callable[[], float]) -> Proposal | DraftWanted:
+def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], float]) -> Proposal | DraftWanted:
     """Step 1, for one sequence: what the target verifies after its anchor, never more than the
     budget or the context can take, nor than `cap` (a batch's choice) where the request adapts.
     Chains: prompt-lookup tokens where they are expected to pay (no forward at all), else the
@@ -256,15 +255,16 @@ class Batch:
         proposals = []
         for s in seqs:
             s.t0 = t_step if s.t0 is None else s.t0
-            proposals.append(propose(s, self.target, self.draft, cap, clock))
+            proposals.append(propose(s, self.target, cap, clock))
         wanted = [p for p in proposals if isinstance(p, DraftWanted)]
         if wanted:
             t = clock()
             drafted = {id(w): w.finish(logits) for w, logits in zip(wanted, draft_blocks(wanted, self.target,
                                                                                         self.draft))}
             proposals = [drafted.get(id(p), p) for p in proposals]
+            seconds = clock() - t  # each drafting sequence waited for the whole draft forward
             for w in wanted:
-                w.seq.stats.step_seconds.draft += clock() - t
+                w.seq.stats.step_seconds.draft += seconds
         # 2. Verify: one target forward over every sequence's block (or plain token).
         t = clock()
         taps = next((s.taps for s in seqs if s.taps), None)

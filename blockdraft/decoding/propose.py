@@ -48,7 +48,7 @@ class Proposers:
 
     block_size: int  # the drafter's block for this request (1: no drafter)
     chain: AdaptiveBlockPolicy | None = None  # the drafter chain's block choice
-    own: SequenceRates | None = None  # this request's own chain acceptance (what a batch's choice sums)
+    own: SequenceRates | None = None  # this request's own chain acceptance, set with `chain` (a batch's choice sums them)
     lookup_block: int = 1  # largest lookup block (1: lookup off)
     lookup_adaptive: bool = False
     lookup: dict = field(default_factory=dict)  # (n-gram, max block) -> AdaptiveBlockPolicy
@@ -101,7 +101,7 @@ class Proposers:
         if batched:
             tokens = found.tokens
             if policy is not None and self.chain is not None and \
-                    policy.expected_tokens(1 + len(tokens)) < (self.own or self.chain).expected_tokens(room):
+                    policy.expected_tokens(1 + len(tokens)) < self.own.expected_tokens(room):
                 return None
             return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
         tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens

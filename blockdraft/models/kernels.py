@@ -47,13 +47,19 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @contextlib.contextmanager
 def use_packed(enabled: bool):
-    """Within the block, prepacked layers run packed (True) or as the plain `nn.Linear` (False)."""
-    before = _STATE.__dict__.get("enabled", True)
+    """Within the block, prepacked layers run packed and masked attention shares K/V heads (True), or
+    both run as transformers runs them (False)."""
+    before = _packed_enabled()
     _STATE.enabled = enabled
     try:
         yield
     finally:
         _STATE.enabled = before
+
+
+def _packed_enabled() -> bool:
+    """False within `use_packed(False)` (in this thread)."""
+    return _STATE.__dict__.get("enabled", True)
 
 
 class _PackedForward:
@@ -69,7 +75,7 @@ class _PackedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.linear.weight
-        if not _STATE.__dict__.get("enabled", True) or x.dtype != w.dtype or (
+        if not _packed_enabled() or x.dtype != w.dtype or (
                 torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return self.original(x)
         # inference tensors have no version counter (and change in place only inside inference mode)
@@ -121,7 +127,7 @@ def _shared_kv_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
 
     if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.device.type != "cpu" \
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") \
-            or not _STATE.__dict__.get("enabled", True):  # use_packed(False): transformers as it is
+            or not _packed_enabled():  # use_packed(False): transformers as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     mask = attention_mask[:, :, :, : key.shape[-2]]  # [B, 1, T, S]
@@ -154,9 +160,9 @@ def _branches_on_sdpa(model: nn.Module) -> bool:
     import sys
 
     for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
         if name.startswith("torch."):
             continue
+        module = sys.modules.get(name)
         if module is None:
             return True
         try:
