@@ -1,6 +1,6 @@
 """The `blockdraft` command. Each subcommand is one typed function, grouped by verb:
 decode.py (generate, chat, serve), evaluate.py (bench, tau, bench-serve), train.py (init, data,
-train, vocab, merge-data, average, prompts, accuracy, plot-training), export.py (export).
+train, vocab, merge-data, average, prompts, accuracy, plot-training, ablate), export.py (export).
 Modules here import the standard library only; each command imports what it needs when it runs."""
 
 from __future__ import annotations

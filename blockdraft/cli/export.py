@@ -20,7 +20,14 @@ def peer_command(fmt: str, target: str, draft: str | None, block_size: int | Non
     path = Path(draft) if draft else bundled_drafter(target)
     if path is None or not (path / "config.json").is_file():
         raise BlockdraftError(f"drafter {str(path) if path else '(bundled)'} has no config.json; pass --draft DIR")
+    import json
+
+    from ..models.checkpoint import STUDY_ARCHITECTURE
     from ..models.target import SMOLLM2_ALIAS, resolve_target_path
+
+    if STUDY_ARCHITECTURE in (json.loads((path / "config.json").read_text()).get("architectures") or []):
+        raise BlockdraftError(f"{path} is a `blockdraft ablate` variant (input fusion or no target context), "
+                              "which only blockdraft runs; vLLM and SGLang run standard DFlash drafters")
 
     if target == SMOLLM2_ALIAS or Path(target).exists():
         target_dir = str(resolve_target_path(target).resolve())

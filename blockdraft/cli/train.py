@@ -150,6 +150,27 @@ def cmd_accuracy(data: str, drafters: list[str], target: str, device: str | None
               + f" ({len(heldout)} held-out sequences), held-out tau {tau:.3f}", flush=True)
 
 
+def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, steps: int, prompts: int,
+               max_new_tokens: int, list_studies: bool) -> None:
+    """DFlash's ablations, one change at a time, scored by held-out acceptance (training/ablate.py)."""
+    import shlex
+    import sys
+
+    from ..training.ablate import STUDIES, StudySettings, run_studies
+
+    if list_studies or not studies:
+        for name, (runs_, blocks) in STUDIES.items():
+            print(f"{name}: " + "; ".join(f"{r.name} ({r.change})" for r in runs_) + f"  [inference blocks {list(blocks)}]")
+        return
+    if data is None:
+        raise BlockdraftError("--data is required: a `blockdraft data` directory with the target's labels")
+    chosen = list(STUDIES) if studies == ["all"] else studies
+    command = "blockdraft " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["ablate"] else \
+        f"blockdraft ablate {' '.join(studies)} --data {data} --steps {steps} --prompts {prompts}"
+    run_studies(StudySettings(data=data, runs=runs, out=out, target=target, steps=steps, prompts=prompts,
+                              max_new_tokens=max_new_tokens), chosen, command)
+
+
 def cmd_plot_training(logs: list[str], out: str, start: list[float] | None, bench: list[str]) -> None:
     from ..training.plot import plot_training
 
@@ -264,3 +285,17 @@ def add_parsers(sub) -> None:
     pt.add_argument("--bench", action="append", default=[], metavar="TAU.json",
                     help="`blockdraft tau --json` file with one drafter per stage (repeatable)")
     pt.set_defaults(run=cmd_plot_training)
+
+    ab = sub.add_parser("ablate", help="DFlash's ablations by short training runs, scored by held-out acceptance "
+                        "(resumable)")
+    ab.add_argument("studies", nargs="*", help="layers, taps, injection, context, block, decay, anchors, noise, "
+                    "or all (none: list them)")
+    ab.add_argument("--data", default=None, help="a `blockdraft data` directory with the target's labels")
+    ab.add_argument("--runs", default="runs/ablate", help="where the runs are trained (shared between studies)")
+    ab.add_argument("--out", default="docs/ablations", help="where each study's table, JSON and plot go")
+    ab.add_argument("--target", default="smollm2-135m")
+    ab.add_argument("--steps", type=int, default=300, help="training steps per run (4 sequences each)")
+    ab.add_argument("--prompts", type=int, default=10, help="HumanEval problems and MT-Bench questions scored, each")
+    ab.add_argument("--max-new-tokens", type=int, default=256)
+    ab.add_argument("--list", dest="list_studies", action="store_true", help="list the studies and their runs")
+    ab.set_defaults(run=cmd_ablate)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .draft import SCALED_ROPE_TYPES, DraftConfig, DraftModel, init_scale_check
+from .draft_config import EMBEDDING_TAP
 from ..errors import BlockdraftError
 
 _REQUIRED = (
@@ -25,7 +26,9 @@ def config_to_json(cfg: DraftConfig) -> dict:
     rope = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     out = {
         **cfg.extra,
-        "architectures": ["DFlashDraftModel"],
+        # an ablation variant (input fusion, no target context) gets a name of its own: the
+        # reference, vLLM and SGLang refuse it rather than run it as a DFlash drafter
+        "architectures": ["DFlashDraftModel" if cfg.standard else STUDY_ARCHITECTURE],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
@@ -52,7 +55,12 @@ def config_to_json(cfg: DraftConfig) -> dict:
         out["sliding_window"] = cfg.sliding_window
     if cfg.is_causal is not None:
         out["is_causal"] = cfg.is_causal
+    if cfg.conditioning != "kv":
+        out["blockdraft_conditioning"] = cfg.conditioning
     return out
+
+
+STUDY_ARCHITECTURE = "BlockdraftStudyDraft"  # `blockdraft ablate`'s variants; blockdraft runs them
 
 
 # What DFlash2 drafters (and later variants) add: a convolution over the block, a token selector,
@@ -82,7 +90,7 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     if missing:
         raise BlockdraftError(f"{where}: not a DFlash drafter config, missing {missing}")
     dc = raw["dflash_config"] or {}
-    arch = [a for a in raw.get("architectures") or [] if a != "DFlashDraftModel"]
+    arch = [a for a in raw.get("architectures") or [] if a not in ("DFlashDraftModel", STUDY_ARCHITECTURE)]
     extra_fields = [k for k in _UNSUPPORTED_DFLASH if k in dc or k in raw]
     if arch or extra_fields:
         raise BlockdraftError(
@@ -105,7 +113,8 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     if rope_type != "default":
         scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
     layer_types, window = _layer_types(raw, n_layers, where)
-    known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal", "rope_scaling"}
+    known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal", "rope_scaling",
+                                                    "blockdraft_conditioning"}
     cfg = DraftConfig(
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -125,6 +134,7 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
         layer_types=layer_types,
         sliding_window=window,
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
+        conditioning=str(raw.get("blockdraft_conditioning", "kv")),
         extra={k: v for k, v in raw.items() if k not in known},
     )
     init_scale_check(cfg)
@@ -210,7 +220,7 @@ def check_fits(cfg: DraftConfig, target) -> None:
         problems.append(f"hidden_size {cfg.hidden_size} != target's {target.hidden_size}")
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {cfg.vocab_size} != target's {target.vocab_size}")
-    bad_taps = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    bad_taps = [i for i in cfg.target_layer_ids if not EMBEDDING_TAP <= i < target.num_layers]
     if bad_taps:
         problems.append(f"target_layer_ids {bad_taps} outside the target's {target.num_layers} layers")
     if not 0 <= cfg.mask_token_id < target.vocab_size:

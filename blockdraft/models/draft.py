@@ -247,6 +247,8 @@ class DraftModel(nn.Module):
         """Final-normed hidden states of the block [B, Tb, H]; apply the target's LM head."""
         x = block_embeds
         c = self.fuse(context_taps)
+        if self.cfg.conditioning == "input":
+            return self._input_fusion(x, block_positions, c, context_positions, cache, mask)
         block_rope = self.rope(block_positions, x.dtype)
         ctx_rope = self.rope(context_positions, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -257,6 +259,38 @@ class DraftModel(nn.Module):
         if cache is not None:
             cache.length += context_taps.shape[1]
         return self.norm(x)
+
+    def _input_fusion(self, x, block_positions, c, context_positions, cache, mask) -> torch.Tensor:
+        """The "input" conditioning (an ablation, EAGLE-3's way): the new context features c
+        [B, Tc, H] are rows of the layers' input beside the block x [B, Tb, H]; context rows attend
+        causally to the context, block rows to the context and their own block, at every layer
+        through the context rows' hidden states there. Each layer's context K/V go to `cache` as
+        KV injection's do. `mask` [B, 1, Tb, Tcache + Tc + Tb] says what block rows see (None: all)."""
+        b, tc, tb = x.shape[0], c.shape[1], x.shape[1]
+        past = cache.length if cache is not None else 0
+        ctx_pos = context_positions if block_positions.dim() == 1 else context_positions.expand(b, -1)
+        ctx_rope = self.rope(context_positions, x.dtype)
+        both_rope = self.rope(torch.cat([ctx_pos, block_positions], dim=-1), x.dtype)
+        # keys: [cached + new context (from the cache) | the layer's own K of the new context rows,
+        # never seen: they duplicate the cached ones | the block]
+        dev = x.device
+        ctx_rows = torch.cat([torch.ones(tc, past, dtype=torch.bool, device=dev),
+                              torch.ones(tc, tc, dtype=torch.bool, device=dev).tril(),
+                              torch.zeros(tc, tc + tb, dtype=torch.bool, device=dev)], dim=1)  # [Tc, P+2Tc+Tb]
+        if mask is None:
+            mask = torch.ones(1, 1, tb, past + tc + tb, dtype=torch.bool, device=dev)
+        hidden_dup = torch.zeros(*mask.shape[:3], tc, dtype=torch.bool, device=dev)
+        block_rows = torch.cat([mask[..., : past + tc], hidden_dup, mask[..., past + tc :]], dim=-1)
+        full = torch.cat([ctx_rows.expand(block_rows.shape[0], 1, -1, -1), block_rows], dim=2)  # [B, 1, Tc+Tb, P+2Tc+Tb]
+        h = torch.cat([c, x], dim=1)  # [B, Tc + Tb, H]
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.context_kv(layer.input_layernorm(h[:, :tc]), ctx_rope)
+            if cache is not None:
+                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v)
+            h = layer(h, both_rope, ctx_k, ctx_v, full)
+        if cache is not None:
+            cache.length += tc
+        return self.norm(h[:, tc:])
 
     def block_hidden(
         self, embed: nn.Module, cache: DraftCache, context_taps: torch.Tensor, anchor: int, position: int, block: int,
@@ -283,6 +317,9 @@ class DraftModel(nn.Module):
         """`block_hidden` of several sequences in one forward, each with its own cache and pending
         taps [1, Tc_r, K*H]: the linear layers run once over every sequence's rows (their weights
         read once, not once per sequence), the attention per sequence. Returns [B, block-1, H]."""
+        if self.cfg.conditioning != "kv":  # an ablation variant: one sequence at a time
+            return torch.stack([self.block_hidden(embed, cache, taps, a, p, block)
+                                for cache, taps, a, p in zip(caches, context_taps, anchors, positions)])
         device = context_taps[0].device
         ids = torch.full((len(caches), block), self.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)

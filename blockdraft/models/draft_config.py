@@ -9,8 +9,15 @@ from dataclasses import dataclass, field
 SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")  # static in the position; dynamic / longrope are not
 
 
+EMBEDDING_TAP = -1  # a "tap" of the target's embedding output: the context without the target's states
+CONDITIONINGS = ("kv", "input")  # how the context enters the drafter (see DraftConfig.conditioning)
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
-    """K taps spread evenly from layer 1 to layer L-3 (DFLASH.md; Python's round)."""
+    """K taps spread evenly from layer 1 to layer L-3 (DFLASH.md; Python's round). 0 taps: no
+    target context, only the target's embedding of the context tokens (an ablation)."""
+    if num_taps == 0:
+        return [EMBEDDING_TAP]
     if num_taps == 1:
         return [num_target_layers // 2]
     span = (num_target_layers - 3) - 1
@@ -40,7 +47,16 @@ class DraftConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     is_causal: bool | None = None
+    # "kv": DFlash's KV injection, the context features projected into every layer's keys and
+    # values. "input": an ablation (EAGLE-3's way): the context features are input rows that pass
+    # through the draft layers causally beside the block, and the block attends to their hidden states.
+    conditioning: str = "kv"
     extra: dict = field(default_factory=dict)  # unknown config.json keys, kept on save
+
+    @property
+    def standard(self) -> bool:
+        """A DFlash drafter as the reference, vLLM and SGLang run it (not an ablation variant)."""
+        return self.conditioning == "kv" and EMBEDDING_TAP not in self.target_layer_ids
 
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
         """(causal, window) of draft layer i."""
@@ -62,6 +78,7 @@ def build_draft_config(
     mask_token_id: int = 0,
     num_taps: int = 5,
     vocab_size: int | None = None,
+    conditioning: str = "kv",
 ) -> DraftConfig:
     """A draft sized like the target (hidden size, heads, MLP width, RoPE base)."""
     t = target_config
@@ -97,6 +114,7 @@ def build_draft_config(
         rope_theta=float(theta),
         max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
         rope_scaling=scaling,
+        conditioning=conditioning,
     )
 
 
@@ -112,5 +130,9 @@ def init_scale_check(cfg: DraftConfig) -> None:
         raise BlockdraftError(
             f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}"
         )
+    if cfg.conditioning not in CONDITIONINGS:
+        raise BlockdraftError(f"conditioning must be one of {CONDITIONINGS} (got {cfg.conditioning!r})")
+    if cfg.conditioning != "kv" and not cfg.plain_attention:
+        raise BlockdraftError("input-fusion drafters have full bidirectional layers only")
     if cfg.head_dim % 2 or not math.isfinite(cfg.rope_theta) or cfg.rope_theta <= 0:
         raise BlockdraftError(f"bad head_dim {cfg.head_dim} or rope_theta {cfg.rope_theta}")

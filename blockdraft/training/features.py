@@ -44,6 +44,52 @@ class CachedFeatures:
         return torch.from_numpy(np.asarray(self.array[self.offsets[i] : self.offsets[i + 1]], dtype=np.float32))
 
 
+class SlicedFeatures:
+    """Some tap layers' columns of a cache built for more of them (the taps study reads the
+    five-tap cache's columns instead of computing three- and one-tap caches)."""
+
+    def __init__(self, cache: CachedFeatures, columns: torch.Tensor):
+        self.cache, self.columns = cache, columns
+
+    def get(self, i: int) -> torch.Tensor:
+        return self.cache.get(i)[:, self.columns]
+
+
+def sliced_cache(data_dir, split: str, samples: list[dict], tap_ids: list[int], hidden: int):
+    """A complete cache of exactly these samples whose taps include `tap_ids` (the exact one
+    first), as features of `tap_ids` only; None if there is none."""
+    ids = [s["id"] for s in samples]
+    exact = feature_dir(data_dir, split, tap_ids).name
+    for directory in sorted(Path(data_dir).glob(f"features-{split}-taps-*"), key=lambda d: d.name != exact):
+        try:
+            have = [int(t) for t in directory.name.split("taps-", 1)[1].split("-")]
+        except ValueError:
+            continue
+        if not set(tap_ids) <= set(have) or not (directory / "progress.json").exists():
+            continue
+        meta = json.loads((directory / "index.json").read_text())
+        if meta["ids"] != ids or json.loads((directory / "progress.json").read_text())["done"] != len(ids):
+            continue
+        cache = CachedFeatures(directory)
+        if have == list(tap_ids):
+            return cache
+        cols = torch.cat([torch.arange(have.index(t) * hidden, (have.index(t) + 1) * hidden) for t in tap_ids])
+        return SlicedFeatures(cache, cols)
+    return None
+
+
+class EmbeddingFeatures:
+    """The "no target context" ablation's features: the target's embedding of each token."""
+
+    def __init__(self, target, samples: list[dict]):
+        self.target, self.samples = target, samples
+
+    def get(self, i: int) -> torch.Tensor:
+        ids = torch.tensor(self.samples[i]["input_ids"], device=self.target.device)
+        with torch.no_grad():
+            return self.target.embed_tokens(ids).float().cpu()
+
+
 class OnlineFeatures:
     """Features computed on demand by a target forward (no cache on disk)."""
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..models.checkpoint import save_draft
-from ..models.draft import DraftModel, build_draft_config
+from ..models.draft import DraftModel, build_draft_config, init_scale_check
+from ..models.draft_config import EMBEDDING_TAP
 from ..errors import BlockdraftError
 from .parallel import setup
 from .warmstart import exportable, init_from_drafter, init_from_target
@@ -37,14 +38,18 @@ class TrainConfig:
     out: str  # run directory: checkpoints, logs, the exported drafter
     target: str = "smollm2-135m"
     num_layers: int = 5
+    num_taps: int = 5  # target layers tapped (0: no target context, the drafter sees the tokens' embeddings)
+    conditioning: str = "kv"  # "kv" (DFlash's KV injection) or "input" (fused into the input; an ablation)
     block_size: int = 16
     anchors: int = 16  # N anchor blocks per sequence
+    anchor_mode: str = "random"  # "random" anchors among response tokens, or "split": the response cut
+    #                              into consecutive blocks from its first token (N of them drawn per step)
     batch_size: int = 4  # sequences per step, over all ranks
     parallel: str = "ddp"  # under torchrun: "ddp" (whole drafter per process) or "fsdp" (sharded), parallel.py
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of steps
     max_steps: int = 1000
-    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8; inf: uniform weights
     grad_clip: float = 1.0
     tap_norm: bool = True  # divide each tap channel by its RMS (folded into fc on export)
     init: str = "random"  # "random", "target" (draft layers copied from the target's last ones), or a
@@ -73,10 +78,15 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
-def sample_anchors(loss_mask: list[int], n: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to n distinct anchors a, uniformly among response positions with a <= S - B, sorted."""
+def sample_anchors(loss_mask: list[int], n: int, block_size: int, gen: torch.Generator,
+                   mode: str = "random") -> torch.Tensor:
+    """Up to n distinct anchors a, uniformly among response positions with a <= S - B, sorted.
+    mode "split": only the anchors that cut the response into consecutive blocks from its first
+    token (a fixed split, as a chain of steps that each accept the whole block would meet)."""
     seq_len = len(loss_mask)
     valid = [a for a in range(1, seq_len - block_size + 1) if loss_mask[a]]
+    if mode == "split" and valid:
+        valid = [a for a in valid if (a - valid[0]) % block_size == 0]
     if not valid:
         return torch.empty(0, dtype=torch.long)
     pick = torch.randperm(len(valid), generator=gen)[:n]
@@ -111,7 +121,7 @@ def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for)
         # nxt[t]: the label for position t + 1 (the next token, or the target's prediction of it)
         nxt = samples[i]["target_next"][: len(ids)] if cfg.labels == "target" else ids[1:] + [0]
         rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
-                     sample_anchors(lm, N, B, gen_for(j)), torch.tensor(nxt)))
+                     sample_anchors(lm, N, B, gen_for(j), cfg.anchor_mode), torch.tensor(nxt)))
     S = max(r[0].shape[0] for r in rows)
     width = rows[0][2].shape[1]
     bs = len(rows)
@@ -260,7 +270,7 @@ def heldout_accuracy(draft, target, samples, feats, cfg: TrainConfig, tap_scale,
     (up to 64 per sequence, seeded): comparable across runs whatever their training loss."""
     from dataclasses import replace
 
-    eval_cfg = replace(cfg, anchors=64)
+    eval_cfg = replace(cfg, anchors=64, anchor_mode="random")
     correct = counts = None
     draft.eval()
     for lo in range(0, len(samples), 4):
@@ -276,7 +286,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     from tqdm import tqdm
 
     from .data import load_samples
-    from .features import CachedFeatures, OnlineFeatures, build_feature_cache, feature_dir, tap_channel_scale
+    from .features import (CachedFeatures, EmbeddingFeatures, OnlineFeatures, build_feature_cache, feature_dir,
+                           sliced_cache, tap_channel_scale)
     from ..models.target import default_mask_token_id, load_target
 
     par = setup(cfg.parallel)
@@ -287,6 +298,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         raise BlockdraftError(f"--labels must be 'data' or 'target' (got {cfg.labels!r})")
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.max_steps < 1:
         raise BlockdraftError("block size >= 2, anchors >= 1 and max steps >= 1 are required")
+    if cfg.anchor_mode not in ("random", "split"):
+        raise BlockdraftError(f"--anchor-mode must be 'random' or 'split' (got {cfg.anchor_mode!r})")
+    if cfg.num_taps < 0 or (cfg.gamma is not None and not cfg.gamma > 0):
+        raise BlockdraftError("--num-taps must be >= 0 and --gamma > 0 (inf: uniform weights)")
     out = Path(cfg.out)
     state_dir = out / "state"
     if state_dir.exists() and not resume:
@@ -300,19 +315,25 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     if cfg.labels == "target" and any("target_next" not in s for s in samples + heldout):
         raise BlockdraftError(f"--labels target needs data made with `blockdraft data --responses dataset` "
                               f"(the target's predictions); {cfg.data} has none")
-    dcfg = build_draft_config(target.config, cfg.num_layers, cfg.block_size,
-                              mask_token_id=default_mask_token_id(target), vocab_size=target.vocab_size)
+    dcfg = build_draft_config(target.config, cfg.num_layers, cfg.block_size, num_taps=cfg.num_taps,
+                              mask_token_id=default_mask_token_id(target), vocab_size=target.vocab_size,
+                              conditioning=cfg.conditioning)
+    init_scale_check(dcfg)
     draft = DraftModel(dcfg).to(target.device)
     if cfg.init == "target":
         init_from_target(draft, target)
     elif cfg.init != "random" and not Path(cfg.init).is_dir():
         raise BlockdraftError(f"--init must be 'random', 'target' or a drafter directory (got {cfg.init!r})")
-    if cfg.features == "cache":
-        if rank == 0:  # one writer; the other ranks wait, then only read
+    if dcfg.target_layer_ids == [EMBEDDING_TAP]:  # no target context: an embedding lookup, no cache
+        feats = EmbeddingFeatures(target, samples)
+    elif cfg.features == "cache":
+        feats = sliced_cache(cfg.data, "train", samples, dcfg.target_layer_ids, target.hidden_size)
+        if feats is None and rank == 0:  # one writer; the other ranks wait, then only read
             feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
         if world > 1:
             par.barrier()
-            feats = CachedFeatures(feature_dir(cfg.data, "train", dcfg.target_layer_ids))
+            feats = sliced_cache(cfg.data, "train", samples, dcfg.target_layer_ids, target.hidden_size) or \
+                CachedFeatures(feature_dir(cfg.data, "train", dcfg.target_layer_ids))
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None

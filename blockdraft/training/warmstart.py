@@ -48,6 +48,8 @@ def init_from_drafter(draft: DraftModel, path: str, tap_scale: torch.Tensor | No
         raise BlockdraftError(f"--init {path}: its drafter has {len(src.layers)} layers, block {a.block_size}, taps "
                               f"{a.target_layer_ids}; this run wants {len(draft.layers)}, {b.block_size}, "
                               f"{b.target_layer_ids}")
+    if a.conditioning != b.conditioning:
+        raise BlockdraftError(f"--init {path}: its conditioning is {a.conditioning!r}, this run's {b.conditioning!r}")
     draft.load_state_dict({k: v.float() for k, v in src.state_dict().items()})
     if tap_scale is not None:  # exported fc(taps) == W taps; ours sees taps / s, so W * s
         draft.fc.weight.data *= tap_scale.to(draft.fc.weight)[None, :]

@@ -1,0 +1,231 @@
+"""`blockdraft ablate`: DFlash's ablations (DFLASH.md), one change at a time, each scored by
+held-out acceptance, resumable.
+
+Every run of every study trains from the same data, seed and start (the target's last layers
+copied into the draft layers, `--init target`) for the same number of steps of the same sequences
+and the same number of block tokens (`steps x batch x anchors x block`; the block study doubles
+the anchors of its block-8 run), changing one setting of a shared base. A run is scored by
+
+- held-out accuracy per block position (acc@k: the k-th block position predicts the target's
+  token, over the full vocabulary, at fixed random anchors of the data's held-out split),
+- tau by replay (replay.py) on the first `prompts` HumanEval problems and MT-Bench first turns at
+  each inference block the study names (neither set is in any training data), and
+- the speed the cost model predicts against plain decoding, tau x t(1) / (t(B) + t_draft(B)),
+  with the target's and this drafter's forwards timed in the same process.
+
+Runs live in `runs/NAME/` (a `blockdraft train` directory plus `score.json`) and are shared by the
+studies that contain them (the base run is in most). A killed study continues: a finished run is
+not trained again, a cut one resumes from its last checkpoint, an unscored one is only scored.
+Each study writes `OUT/STUDY.md` (its table and command), `OUT/STUDY.json` and `OUT/STUDY.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..errors import BlockdraftError
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    change: str  # what differs from the base, in words
+    overrides: dict = field(default_factory=dict)  # TrainConfig fields
+
+
+BASE = Run("base", "base: 3 layers, 5 taps, KV injection, block 16, decayed loss, random anchors")
+STUDIES: dict[str, tuple[list[Run], tuple[int, ...]]] = {  # runs, inference blocks
+    "layers": ([Run("layers-1", "1 draft layer", {"num_layers": 1}), BASE,
+                Run("layers-5", "5 draft layers", {"num_layers": 5}),
+                Run("layers-8", "8 draft layers", {"num_layers": 8})], (16,)),
+    "taps": ([Run("taps-1", "1 target tap", {"num_taps": 1}), Run("taps-3", "3 target taps", {"num_taps": 3}),
+              BASE], (16,)),
+    "injection": ([BASE, Run("input-fusion", "context fused into the input (EAGLE-3's way), not into every "
+                             "layer's K/V", {"conditioning": "input"})], (16,)),
+    "context": ([BASE, Run("no-context", "no target context: the context tokens' embeddings only, through "
+                           "the draft layers", {"num_taps": 0, "conditioning": "input"})], (16,)),
+    "block": ([Run("train-block-8", "trained at block 8 (32 anchors: equal block tokens)",
+                   {"block_size": 8, "anchors": 32}), BASE], (4, 8, 16)),
+    "decay": ([BASE, Run("uniform-loss", "uniform loss weights over block positions", {"gamma": float("inf")})],
+              (16,)),
+    "anchors": ([BASE, Run("split-anchors", "anchors on a fixed split of the response into blocks",
+                           {"anchor_mode": "split"})], (16,)),
+    "noise": ([BASE, Run("base-seed-1", "the base, seed 1", {"seed": 1}),
+               Run("base-seed-2", "the base, seed 2", {"seed": 2})], (16,)),
+}
+
+
+@dataclass
+class StudySettings:
+    data: str  # a `blockdraft data` directory with the target's labels (`merge-data` or --responses dataset)
+    runs: str = "runs/ablate"
+    out: str = "docs/ablations"
+    target: str = "smollm2-135m"
+    steps: int = 300
+    prompts: int = 10  # HumanEval problems and MT-Bench questions each
+    max_new_tokens: int = 256
+
+
+def base_config(s: StudySettings, run: Run):
+    from .train import TrainConfig
+
+    cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
+                      block_size=16, anchors=16, batch_size=4, lr=1e-3, head_vocab=8192, labels="target",
+                      init="target", max_steps=s.steps, save_every=50, log_every=10, eval_every=0,
+                      eval_prompts=0, seed=0)
+    return replace(cfg, **run.overrides)
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+def train_run(s: StudySettings, run: Run) -> Path:
+    """Train (or finish training) one run; its drafter."""
+    from .train import train
+
+    cfg = base_config(s, run)
+    out = Path(cfg.out)
+    saved = out / "config.json"
+    if saved.exists():
+        old = json.loads(saved.read_text())
+        mine = json.loads(json.dumps(asdict(cfg)))
+        if old != mine:
+            diff = sorted(k for k in mine if old.get(k) != mine[k])
+            raise BlockdraftError(f"{out} holds a run with other settings ({', '.join(diff)}); "
+                                  "use another --runs directory or delete it")
+    if any(r.get("final") for r in _log(out / "log.jsonl")):
+        return out / "drafter"
+    return train(cfg, resume=True)
+
+
+def score_run(s: StudySettings, run: Run, blocks: tuple[int, ...], target, prompts: dict) -> dict:
+    """The run's score.json (computed once per inference block; kept)."""
+    from ..evaluation.bench import measure_costs
+    from ..evaluation.replay import replay
+    from ..models.checkpoint import load_draft
+
+    out = Path(s.runs) / run.name
+    path = out / "score.json"
+    score = json.loads(path.read_text()) if path.exists() else {}
+    todo = [b for b in blocks if str(b) not in score.get("blocks", {})]
+    if not todo and score:
+        return score
+    log = _log(out / "log.jsonl")
+    final = next(r for r in reversed(log) if r.get("final"))
+    draft = load_draft(out / "drafter", device=target.device, dtype=target.dtype)
+    score.update(run=run.name, change=run.change, overrides={k: str(v) for k, v in run.overrides.items()},
+                 heldout_acc=final["heldout_acc"], train_minutes=round(max(r.get("elapsed", 0) for r in log) / 60, 1))
+    score.setdefault("blocks", {})
+    for b in todo:
+        taus = {}
+        for name, (ids, refs) in prompts.items():
+            per = [replay(target, draft, p, r, b, s.max_new_tokens).tau for p, r in zip(ids, refs)]
+            taus[name] = round(sum(per) / len(per), 3)
+        costs = measure_costs(target, draft, prompts["humaneval"][0][0], b, repeats=5)
+        t = costs["t_target"]
+        ratio = t[1] / (t[b] + costs["t_draft"])
+        score["blocks"][str(b)] = {"tau": taus, "t1_ms": round(t[1] * 1e3, 1), "t_verify_ms": round(t[b] * 1e3, 1),
+                                   "t_draft_ms": round(costs["t_draft"] * 1e3, 1),
+                                   "predicted_speedup": {k: round(v * ratio, 3) for k, v in taus.items()}}
+        path.write_text(json.dumps(score, indent=1) + "\n")
+    return score
+
+
+def load_prompt_sets(s: StudySettings, target) -> dict:
+    """{dataset: (prompt ids, greedy references)}: HumanEval and MT-Bench, first `prompts` each."""
+    from ..evaluation.datasets import load_prompts
+    from ..evaluation.replay import default_references_path, reference_continuations
+
+    sets = {}
+    for name in ("humaneval", "mt-bench"):
+        ids = [target.encode_prompt(t, target.has_chat_template) for t in load_prompts(name, s.prompts)]
+        sets[name] = (ids, reference_continuations(target, ids, s.max_new_tokens, default_references_path(s.target)))
+    return sets
+
+
+def write_study(s: StudySettings, study: str, scores: list[dict], blocks: tuple[int, ...], command: str,
+                seconds: float) -> Path:
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{study}.json").write_text(json.dumps({"study": study, "command": command, "runs": scores}, indent=1) + "\n")
+    k = 4  # acc@1..4 in the table; all positions in the JSON
+    head = ["run", "change", "train min"] + [f"acc@{i}" for i in range(1, k + 1)]
+    for b in blocks:
+        head += [f"tau HE (B={b})", f"tau MT (B={b})", f"speed HE/MT (B={b})"]
+    lines = [f"# Study: {study}", "", "```", command, "```", "",
+             f"{s.steps} steps of 4 sequences per run; tau by replay on the first {s.prompts} HumanEval problems "
+             f"(HE) and MT-Bench first turns (MT), greedy, {s.max_new_tokens} new tokens; speed: the cost model's "
+             f"tau x t(1) / (t(B) + t_draft), against plain decoding. This invocation took {seconds / 60:.0f} min "
+             "(runs already done elsewhere are not retrained).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sc in scores:
+        row = [sc["run"], sc["change"], f"{sc['train_minutes']:.1f}"] + [f"{a:.3f}" for a in sc["heldout_acc"][:k]]
+        for b in blocks:
+            r = sc["blocks"][str(b)]
+            row += [f"{r['tau']['humaneval']:.3f}", f"{r['tau']['mt-bench']:.3f}",
+                    f"{r['predicted_speedup']['humaneval']:.2f} / {r['predicted_speedup']['mt-bench']:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    (out / f"{study}.md").write_text("\n".join(lines) + "\n")
+    plot_study(out / f"{study}.png", study, scores, blocks)
+    return out / f"{study}.md"
+
+
+def plot_study(path: Path, study: str, scores: list[dict], blocks: tuple[int, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for sc in scores:
+        acc = sc["heldout_acc"]
+        ax1.plot(range(1, len(acc) + 1), acc, marker=".", label=sc["run"])
+    ax1.set(xlabel="block position k", ylabel="held-out acc@k", title=f"{study}: accuracy per position")
+    ax1.legend(fontsize=8)
+    width = 0.8 / (2 * len(blocks))
+    for j, b in enumerate(blocks):
+        for d, name in enumerate(("humaneval", "mt-bench")):
+            xs = [i + (2 * j + d - len(blocks)) * width + width / 2 for i in range(len(scores))]
+            ax2.bar(xs, [sc["blocks"][str(b)]["tau"][name] for sc in scores], width,
+                    label=f"{'HE' if name == 'humaneval' else 'MT'} B={b}")
+    ax2.set_xticks(range(len(scores)), [sc["run"] for sc in scores], rotation=20, fontsize=8)
+    ax2.set(ylabel="tau by replay", title=f"{study}: tau", ylim=(1.0, None))
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path]:
+    """Train, score and write each study in turn; returns the Markdown files written."""
+    from ..models.target import load_target
+
+    unknown = [x for x in studies if x not in STUDIES]
+    if unknown:
+        raise BlockdraftError(f"unknown studies {unknown}; choose from {', '.join(STUDIES)} or all")
+    if s.steps < 1 or s.prompts < 1 or s.max_new_tokens < 1:
+        raise BlockdraftError("--steps, --prompts and --max-new-tokens must be >= 1")
+    if not (Path(s.data) / "samples.jsonl").exists():
+        raise BlockdraftError(f"{s.data} is not a `blockdraft data` directory (no samples.jsonl)")
+    from .data import load_samples
+
+    if not load_samples(s.data, "heldout"):
+        raise BlockdraftError(f"{s.data} has no held-out samples, which score each run's accuracy")
+    target = load_target(s.target)
+    prompts = load_prompt_sets(s, target)
+    written = []
+    for study in studies:
+        t0 = time.perf_counter()
+        runs, blocks = STUDIES[study]
+        scores = []
+        for run in runs:
+            print(f"ablate {study}: {run.name} ({run.change})", flush=True)
+            train_run(s, run)
+            scores.append(score_run(s, run, blocks, target, prompts))
+        written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0))
+        print(f"wrote {written[-1]}", flush=True)
+    return written

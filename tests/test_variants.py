@@ -1,0 +1,179 @@
+"""The ablation study's drafter variants on tiny models: input fusion (EAGLE-3's way) and no
+target context; their training forward, decoding, save/load and refusals elsewhere."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.checkpoint import STUDY_ARCHITECTURE, load_draft, save_draft
+from blockdraft.models.draft import DraftCache, DraftModel, build_draft_config
+from blockdraft.training import train as T
+
+from conftest import tiny_target
+from test_train import _cfg, tiny_run  # noqa: F401  (the module's fixture)
+
+
+def _variant(target, conditioning="input", num_taps=3, block_size=6, seed=1):
+    torch.manual_seed(seed)
+    cfg = build_draft_config(target.config, num_layers=2, block_size=block_size, num_taps=num_taps,
+                             mask_token_id=target.vocab_size - 1, conditioning=conditioning)
+    return DraftModel(cfg).eval()
+
+
+def test_input_fusion_packed_training_forward_equals_incremental_inference():
+    target = tiny_target("llama")
+    draft = _variant(target)
+    torch.manual_seed(0)
+    S, B, anchors = 30, 6, torch.tensor([7, 15, 21])
+    taps = torch.randn(1, S, 3 * 64)
+    ids = torch.randint(0, 90, (S,))
+    block_ids = torch.full((1, 3 * B), draft.cfg.mask_token_id)
+    block_ids[0, ::B] = ids[anchors]
+    pos = (anchors[:, None] + torch.arange(B)).reshape(1, -1)
+    with torch.no_grad():
+        packed = draft(target.embed_tokens(block_ids), pos, taps, torch.arange(S), None,
+                       T.block_mask(anchors, S, B)[None, None])
+        for b, a in enumerate(anchors.tolist()):
+            block = target.embed_tokens(block_ids[:, B * b: B * b + B])
+            cache = DraftCache(len(draft.layers))
+            whole = draft(block, torch.arange(a, a + B), taps[:, :a], torch.arange(a), cache)
+            # the context in two pieces, as decoding commits it, with a block in between
+            cache = DraftCache(len(draft.layers))
+            draft(block, torch.arange(4, 4 + B), taps[:, :4], torch.arange(4), cache)
+            split = draft(block, torch.arange(a, a + B), taps[:, 4:a], torch.arange(4, a), cache)
+            torch.testing.assert_close(packed[:, B * b: B * b + B], whole, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    # input fusion is not KV injection: the same weights give other outputs
+    kv = _variant(target, conditioning="kv")
+    kv.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        other = kv(target.embed_tokens(block_ids[:, :B]), torch.arange(7, 7 + B), taps[:, :7], torch.arange(7),
+                   DraftCache(2))
+    assert not torch.allclose(other, packed[:, :B], atol=1e-3)
+
+
+@pytest.mark.parametrize("conditioning,num_taps", [("input", 3), ("kv", 0), ("input", 0)])
+def test_variants_decode_losslessly_and_round_trip(tmp_path, conditioning, num_taps):
+    target = tiny_target("llama")
+    draft = _variant(target, conditioning, num_taps)
+    assert not draft.cfg.standard
+    if num_taps == 0:
+        assert draft.cfg.target_layer_ids == [-1]
+    save_draft(draft, tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == [STUDY_ARCHITECTURE]
+    back = load_draft(tmp_path / "d")
+    assert back.cfg.conditioning == conditioning and back.cfg.target_layer_ids == draft.cfg.target_layer_ids
+    for k, v in draft.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v)
+    prompt = torch.randint(0, 90, (12,)).tolist()
+    plain = Engine(target).generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids
+    out = Engine(target, back).generate(prompt, GenerationConfig(max_new_tokens=30, block_size=6))
+    assert out.token_ids == plain
+
+
+def test_a_variant_is_refused_by_export(tmp_path):
+    from blockdraft.cli.export import peer_command
+
+    target = tiny_target("llama")
+    save_draft(_variant(target), tmp_path / "d")
+    with pytest.raises(BlockdraftError, match="ablate"):
+        peer_command("vllm", "smollm2-135m", str(tmp_path / "d"), None, "float32", 8000, None, "python", True)
+
+
+def test_bad_conditioning_is_refused():
+    from blockdraft.models.draft import init_scale_check
+
+    cfg = build_draft_config(tiny_target("llama").config, num_layers=1, conditioning="cross")
+    with pytest.raises(BlockdraftError, match="conditioning"):
+        init_scale_check(cfg)
+
+
+def test_split_anchors_cut_the_response_into_consecutive_blocks():
+    mask = [0] * 10 + [1] * 40
+    gen = torch.Generator().manual_seed(0)
+    a = T.sample_anchors(mask, 16, 8, gen, "split")
+    assert a.tolist() == [10, 18, 26, 34, 42]  # all grid points that leave room for a block
+    assert T.sample_anchors(mask, 2, 8, gen, "split").tolist() in ([10, 18], [10, 26], [10, 34], [10, 42],
+                                                                 [18, 26], [18, 34], [18, 42], [26, 34],
+                                                                 [26, 42], [34, 42])
+
+
+@pytest.mark.parametrize("kw", [dict(conditioning="input"), dict(num_taps=0, conditioning="input"),
+                                dict(num_taps=1), dict(gamma=float("inf"), anchor_mode="split")])
+def test_a_variant_trains_and_saves(tiny_run, kw):  # noqa: F811
+    name = "-".join(f"{k}{v}" for k, v in kw.items())
+    path = T.train(_cfg(tiny_run, tiny_run / f"v-{name}", max_steps=4, **kw), progress=False)
+    losses = [json.loads(line)["loss"] for line in open(tiny_run / f"v-{name}" / "log.jsonl") if "loss" in line]
+    assert len(losses) == 4 and all(x == x for x in losses)
+    d = load_draft(path)
+    assert d.cfg.conditioning == kw.get("conditioning", "kv")
+    assert len(d.cfg.target_layer_ids) == max(1, kw.get("num_taps", 5))
+
+
+def test_fewer_taps_read_the_columns_of_a_wider_cache(tiny_run):  # noqa: F811
+    from blockdraft.training.data import load_samples
+    from blockdraft.training.features import SlicedFeatures, build_feature_cache, sliced_cache
+    from blockdraft.models.target import load_target
+
+    target = load_target(str(tiny_run / "target"))
+    samples = load_samples(str(tiny_run / "data"), "train")
+    wide = build_feature_cache(str(tiny_run / "data"), "train", samples, target, [0, 2, 4], progress=False)
+    sub = sliced_cache(str(tiny_run / "data"), "train", samples, [2, 4], target.hidden_size)
+    assert isinstance(sub, SlicedFeatures)
+    for i in (0, 5):
+        ids = torch.tensor([samples[i]["input_ids"]])
+        direct = target.forward(ids, target.new_cache(), [2, 4], logits_at=1).taps[0].half().float()
+        torch.testing.assert_close(sub.get(i), direct, rtol=2e-3, atol=1e-4)  # fp16 storage; batched prefill
+        assert sub.get(i).shape[1] == wide.get(i).shape[1] * 2 // 3
+    assert sliced_cache(str(tiny_run / "data"), "train", samples[:3], [2], target.hidden_size) is None
+
+
+def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, monkeypatch):  # noqa: F811
+    from blockdraft.training import ablate as A
+
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    with open(data / "samples.jsonl", "w") as f:
+        for i in range(14):
+            ids = torch.randint(0, 90, (40,), generator=gen).tolist()
+            f.write(json.dumps({"id": str(i), "split": "heldout" if i < 2 else "train", "input_ids": ids,
+                                "loss_mask": [0] * 8 + [1] * 32, "target_next": ids[1:] + [0]}) + "\n")
+    prompts = [torch.randint(0, 90, (10,), generator=gen).tolist() for _ in range(2)]
+    refs = [torch.randint(0, 90, (12,), generator=gen).tolist() for _ in range(2)]
+    monkeypatch.setattr(A, "load_prompt_sets", lambda s, target: {"humaneval": (prompts, refs),
+                                                                  "mt-bench": (prompts, refs)})
+    s = A.StudySettings(data=str(data), runs=str(tmp_path / "runs"), out=str(tmp_path / "out"),
+                        target=str(tiny_run / "target"), steps=3, prompts=2, max_new_tokens=12)
+    trained = []
+    real_train = A.train_run
+
+    def spy(settings, run):
+        trained.append(run.name)
+        if run.name == "uniform-loss" and trained.count("uniform-loss") == 1:
+            raise KeyboardInterrupt  # killed before its second run trains
+        return real_train(settings, run)
+
+    monkeypatch.setattr(A, "train_run", spy)
+    with pytest.raises(KeyboardInterrupt):
+        A.run_studies(s, ["decay"], "blockdraft ablate decay")
+    assert (tmp_path / "runs" / "base" / "score.json").exists() and not (tmp_path / "out" / "decay.md").exists()
+    trains, real_t = [], T.train
+    monkeypatch.setattr(T, "train", lambda cfg, resume=False, progress=True: trains.append(cfg.out) or
+                        real_t(cfg, resume=resume, progress=False))
+    A.run_studies(s, ["decay"], "blockdraft ablate decay")
+    assert [Path(p).name for p in trains] == ["uniform-loss"]  # the base run was not trained again
+    table = (tmp_path / "out" / "decay.md").read_text()
+    assert "| base |" in table and "| uniform-loss |" in table and "blockdraft ablate decay" in table
+    report = json.loads((tmp_path / "out" / "decay.json").read_text())
+    assert [r["run"] for r in report["runs"]] == ["base", "uniform-loss"]
+    assert all(len(r["heldout_acc"]) == 15 for r in report["runs"])  # block 16: positions 1..15
+    assert (tmp_path / "out" / "decay.png").stat().st_size > 0
+    # another setting in the same runs directory is refused, not mixed in
+    with pytest.raises(BlockdraftError, match="other settings"):
+        A.run_studies(A.StudySettings(**{**s.__dict__, "steps": 4}), ["decay"], "x")
