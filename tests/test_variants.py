@@ -177,3 +177,32 @@ def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, mon
     # another setting in the same runs directory is refused, not mixed in
     with pytest.raises(BlockdraftError, match="other settings"):
         A.run_studies(A.StudySettings(**{**s.__dict__, "steps": 4}), ["decay"], "x")
+
+
+def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(tiny_run):  # noqa: F811
+    from dataclasses import replace
+
+    from blockdraft.models.target import load_target
+    from blockdraft.training.soft_labels import soft_dir, split_rows
+    from blockdraft.training.features import CachedFeatures, OnlineFeatures
+    from blockdraft.training.data import load_samples
+
+    target = load_target(str(tiny_run / "target"))
+    draft = _variant(target, "kv", 3, block_size=6)
+    samples = load_samples(str(tiny_run / "data"), "train")
+    feats = OnlineFeatures(target, samples, draft.cfg.target_layer_ids)
+    cfg = _cfg(tiny_run, tiny_run / "unused")
+    batch = T.make_batch(samples, feats, [0, 1], cfg, draft.cfg.mask_token_id, lambda j: torch.Generator().manual_seed(j))
+    one_hot = replace(batch, soft_ids=batch.labels[..., None], soft_p=torch.ones(*batch.labels.shape, 1))
+    rows = torch.arange(target.vocab_size)
+    for r in (None, rows):
+        hard, soft = (T.training_forward(draft, target, b, None, r)[0] for b in (batch, one_hot))
+        torch.testing.assert_close(hard, soft)
+    path = T.train(_cfg(tiny_run, tiny_run / "soft", max_steps=3, soft_labels=4, head_vocab=16), progress=False)
+    assert load_draft(path) is not None
+    cache = CachedFeatures(soft_dir(str(tiny_run / "data"), "train", 4), __import__("numpy").float32, "topk.f32")
+    ids, p = split_rows(cache.get(2))
+    logits = target.forward(torch.tensor([samples[2]["input_ids"]]), target.new_cache()).logits[0]  # [S, V]
+    assert ids[:, 0].tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(p.sum(-1), torch.ones(len(ids)))
+    assert (p[:, 0] >= p[:, 1]).all()

@@ -288,7 +288,7 @@ def add_parsers(sub) -> None:
 
     ab = sub.add_parser("ablate", help="DFlash's ablations by short training runs, scored by held-out acceptance "
                         "(resumable)")
-    ab.add_argument("studies", nargs="*", help="layers, taps, injection, context, block, decay, anchors, noise, "
+    ab.add_argument("studies", nargs="*", help="layers, taps, injection, context, block, decay, anchors, soft-labels, noise, "
                     "or all (none: list them)")
     ab.add_argument("--data", default=None, help="a `blockdraft data` directory with the target's labels")
     ab.add_argument("--runs", default="runs/ablate", help="where the runs are trained (shared between studies)")

@@ -53,6 +53,8 @@ STUDIES: dict[str, tuple[list[Run], tuple[int, ...]]] = {  # runs, inference blo
               (16,)),
     "anchors": ([BASE, Run("split-anchors", "anchors on a fixed split of the response into blocks",
                            {"anchor_mode": "split"})], (16,)),
+    "soft-labels": ([BASE, Run("soft-top8", "loss against the target's top-8 distribution, not its argmax",
+                               {"soft_labels": 8})], (16,)),
     "noise": ([BASE, Run("base-seed-1", "the base, seed 1", {"seed": 1}),
                Run("base-seed-2", "the base, seed 2", {"seed": 2})], (16,)),
 }

@@ -30,18 +30,18 @@ def feature_dir(data_dir: str | os.PathLike, split: str, tap_ids: list[int]) -> 
 class CachedFeatures:
     """Read side of the cache: `get(i)` -> fp32 tensor [S_i, K*H] of sample i."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, dtype=np.float16, filename: str = "features.f16"):
         meta = json.loads((directory / "index.json").read_text())
         self.offsets = meta["offsets"]  # len n + 1
         self.width = meta["width"]
         prog = json.loads((directory / "progress.json").read_text())
         if prog["done"] < len(self.offsets) - 1:
             raise BlockdraftError(f"feature cache {directory} is incomplete ({prog['done']} samples); rebuild it")
-        self.array = np.memmap(directory / "features.f16", dtype=np.float16, mode="r",
+        self.array = np.memmap(directory / filename, dtype=dtype, mode="r",
                                shape=(self.offsets[-1], self.width))
 
     def get(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.array[self.offsets[i] : self.offsets[i + 1]], dtype=np.float32))
+        return torch.from_numpy(np.array(self.array[self.offsets[i] : self.offsets[i + 1]], dtype=np.float32))
 
 
 class SlicedFeatures:
@@ -133,7 +133,8 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one, never half of one
 
 
-def _open_for(directory: Path, ids: list[str], lengths: list[int], width: int) -> tuple[np.memmap, list[int], int]:
+def _open_for(directory: Path, ids: list[str], lengths: list[int], width: int, dtype=np.float16,
+              filename: str = "features.f16") -> tuple[np.memmap, list[int], int]:
     """Open (or create, or grow) the cache of samples `ids` for writing: (array, offsets, done).
 
     A cache built for fewer samples grows when its samples are the first of these (a data
@@ -150,11 +151,11 @@ def _open_for(directory: Path, ids: list[str], lengths: list[int], width: int) -
             raise BlockdraftError(f"{directory} was built from other samples; delete it to rebuild")
         done = json.loads(prog_path.read_text())["done"] if prog_path.exists() else 0
     _write_json(index_path, index)
-    path = directory / "features.f16"
-    size = 2 * max(offsets[-1], 1) * width
+    path = directory / filename
+    size = np.dtype(dtype).itemsize * max(offsets[-1], 1) * width
     with open(path, "ab") as f:  # create, and grow to the new size (a kill may have left it longer)
         f.truncate(size)
-    return np.memmap(path, dtype=np.float16, mode="r+", shape=(max(offsets[-1], 1), width)), offsets, done
+    return np.memmap(path, dtype=dtype, mode="r+", shape=(max(offsets[-1], 1), width)), offsets, done
 
 
 def build_feature_cache(
@@ -162,24 +163,32 @@ def build_feature_cache(
     progress: bool = True, chunk: int = 8,
 ) -> CachedFeatures:
     """Write (or finish writing) the fp16 feature cache of `samples`; return its reader."""
+    return build_cache(feature_dir(data_dir, split, tap_ids), samples, len(tap_ids) * target.hidden_size,
+                       lambda seqs: prefill(target, seqs, tap_ids, chunk=chunk).taps, f"features ({split})",
+                       progress, chunk)
+
+
+def build_cache(directory: Path, samples: list[dict], width: int, rows_of, desc: str, progress: bool = True,
+                chunk: int = 8, dtype=np.float16, filename: str = "features.f16") -> CachedFeatures:
+    """A per-token cache of `samples` (resumable): rows_of(token id lists) -> one [S_i, width]
+    array per sequence. The target features' cache, and the soft labels' (soft_labels.py)."""
     from tqdm import tqdm
 
-    directory = feature_dir(data_dir, split, tap_ids)
     array, offsets, done = _open_for(directory, [s["id"] for s in samples], [len(s["input_ids"]) for s in samples],
-                                     len(tap_ids) * target.hidden_size)
-    bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=f"features ({split})", unit="seq")
+                                     width, dtype, filename)
+    bar = tqdm(total=len(samples), initial=done, disable=not progress, desc=desc, unit="seq")
     for lo in range(done, len(samples), chunk):
-        taps = prefill(target, [s["input_ids"] for s in samples[lo : lo + chunk]], tap_ids, chunk=chunk).taps
-        for r, x in enumerate(taps):
+        rows = rows_of([s["input_ids"] for s in samples[lo : lo + chunk]])
+        for r, x in enumerate(rows):
             array[offsets[lo + r] : offsets[lo + r + 1]] = x
         array.flush()  # data first, then the progress marker that vouches for it
-        _write_json(directory / "progress.json", {"done": lo + len(taps)})
-        bar.update(len(taps))
+        _write_json(directory / "progress.json", {"done": lo + len(rows)})
+        bar.update(len(rows))
     bar.close()
     if not (directory / "progress.json").exists():
         _write_json(directory / "progress.json", {"done": len(samples)})
     del array
-    return CachedFeatures(directory)
+    return CachedFeatures(directory, dtype, filename)
 
 
 def append_features(data_dir: str | os.PathLike, split: str, tap_ids: list[int],

@@ -4,7 +4,8 @@ Per sequence: the target's taps over the clean sequence (cached or online), N ra
 positions among response tokens, and for each a block [x_a, mask x (B-1)] at positions
 a..a+B-1 with labels x_{a+1}..x_{a+B-1}. All blocks of all sequences in a step go through one
 packed forward; a boolean mask lets block b see context positions < a_b and its own block only.
-Loss: cross entropy at block position k weighted exp(-(k-1)/gamma), normalised by the weights.
+Loss: cross entropy at block position k weighted exp(-(k-1)/gamma), normalised by the weights
+(the batch and its loss: batch.py).
 
 Everything random is derived from (seed, step), so `--resume` needs only the step number and
 continues exactly where an uninterrupted run would be. `torchrun` gives data-parallel training,
@@ -22,9 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..models.checkpoint import save_draft
+from .batch import (  # noqa: F401  (re-exported: the batch and its loss, beside the loop that uses them)
+    Batch, block_mask, default_gamma, frequent_tokens, head_rows, loss_weights, make_batch, sample_anchors,
+    training_forward,
+)
 from ..models.draft import DraftModel, build_draft_config, init_scale_check
 from ..models.draft_config import EMBEDDING_TAP
 from ..errors import BlockdraftError
@@ -59,6 +63,8 @@ class TrainConfig:
     features: str = "cache"  # "cache" (fp16 on disk) or "online"
     labels: str = "data"  # "data": the sequence's own next tokens; "target": the target's greedy
     #                       predictions stored by `blockdraft data --responses dataset`
+    soft_labels: int = 0  # k > 0: the loss against the target's top-k distribution (soft_labels.py)
+    #                       instead of the one label; accuracy is still against the label
     max_seq_len: int = 512
     seed: int = 0
     log_every: int = 10
@@ -67,132 +73,6 @@ class TrainConfig:
     eval_prompts: int = 16  # held-out responses for tau (by replay: cheap)
     eval_tokens: int = 192
     time_budget_minutes: float | None = None  # stop (and save) after this much training time
-
-
-def default_gamma(block_size: int) -> float:
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
-
-
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
-    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
-
-
-def sample_anchors(loss_mask: list[int], n: int, block_size: int, gen: torch.Generator,
-                   mode: str = "random") -> torch.Tensor:
-    """Up to n distinct anchors a, uniformly among response positions with a <= S - B, sorted.
-    mode "split": only the anchors that cut the response into consecutive blocks from its first
-    token (a fixed split, as a chain of steps that each accept the whole block would meet)."""
-    seq_len = len(loss_mask)
-    valid = [a for a in range(1, seq_len - block_size + 1) if loss_mask[a]]
-    if mode == "split" and valid:
-        valid = [a for a in valid if (a - valid[0]) % block_size == 0]
-    if not valid:
-        return torch.empty(0, dtype=torch.long)
-    pick = torch.randperm(len(valid), generator=gen)[:n]
-    return torch.tensor(valid, dtype=torch.long)[pick].sort().values
-
-
-def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[N*B, context_len + N*B] bool: block b's queries see context j < a_b and their own block."""
-    n = anchors.shape[0]
-    block_of = torch.arange(n * block_size) // block_size  # [N*B]
-    ctx = torch.arange(context_len)[None, :] < anchors[block_of][:, None]  # [N*B, S]
-    own = block_of[:, None] == block_of[None, :]  # [N*B, N*B]
-    return torch.cat([ctx, own], dim=1)
-
-
-@dataclass
-class Batch:
-    taps: torch.Tensor  # [Bs, S, K*H]
-    block_ids: torch.Tensor  # [Bs, N*B]
-    positions: torch.Tensor  # [Bs, N*B]
-    labels: torch.Tensor  # [Bs, N, B-1]
-    weights: torch.Tensor  # [Bs, N, B-1]: decay weight x label loss mask (0 for padding blocks)
-    mask: torch.Tensor  # [Bs, 1, N*B, S + N*B]
-
-
-def make_batch(samples, feats, indices, cfg: TrainConfig, mask_id: int, gen_for) -> Batch:
-    B, N = cfg.block_size, cfg.anchors
-    w = loss_weights(B, cfg.gamma or default_gamma(B))
-    rows = []
-    for j, i in enumerate(indices):
-        ids, lm = samples[i]["input_ids"][: cfg.max_seq_len], samples[i]["loss_mask"][: cfg.max_seq_len]
-        # nxt[t]: the label for position t + 1 (the next token, or the target's prediction of it)
-        nxt = samples[i]["target_next"][: len(ids)] if cfg.labels == "target" else ids[1:] + [0]
-        rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
-                     sample_anchors(lm, N, B, gen_for(j), cfg.anchor_mode), torch.tensor(nxt)))
-    S = max(r[0].shape[0] for r in rows)
-    width = rows[0][2].shape[1]
-    bs = len(rows)
-    taps = torch.zeros(bs, S, width)
-    block_ids = torch.full((bs, N * B), mask_id, dtype=torch.long)
-    positions = torch.zeros(bs, N * B, dtype=torch.long)
-    labels = torch.zeros(bs, N, B - 1, dtype=torch.long)
-    weights = torch.zeros(bs, N, B - 1)
-    mask = torch.zeros(bs, 1, N * B, S + N * B, dtype=torch.bool)
-    for r, (ids, lm, f, anchors, nxt) in enumerate(rows):
-        taps[r, : f.shape[0]] = f
-        n = anchors.shape[0]
-        # padding blocks (short sequences) sit at anchor 0 with weight 0: they see only themselves
-        full = torch.cat([anchors, torch.zeros(N - n, dtype=torch.long)])
-        offs = full[:, None] + torch.arange(B)[None, :]  # [N, B]
-        block_ids[r, ::B] = ids[full]
-        positions[r] = offs.reshape(-1)
-        labels[r, :n] = nxt[offs[:n, 1:] - 1]
-        weights[r, :n] = w[None, :] * lm[offs[:n, 1:]].float()
-        m = block_mask(full, S, B)
-        m[n * B :, :S] = False
-        mask[r, 0] = m
-    return Batch(taps, block_ids, positions, labels, weights, mask)
-
-
-def frequent_tokens(samples, n: int, vocab: int) -> torch.Tensor:
-    """The n most frequent response tokens of the training data, sorted by id."""
-    ids = torch.tensor([t for smp in samples for t, m in zip(smp["input_ids"], smp["loss_mask"]) if m])
-    counts = torch.bincount(ids, minlength=vocab)
-    return counts.topk(min(n, int((counts > 0).sum()))).indices.sort().values
-
-
-def head_rows(frequent: torch.Tensor | None, vocab: int, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
-    """Vocabulary rows for this step's loss: the frequent tokens, this batch's labels (so every
-    label is in the softmax) and random negatives. None = the full vocabulary."""
-    if frequent is None:
-        return None
-    others = torch.randint(0, vocab, (frequent.shape[0] // 2,), generator=gen)
-    return torch.unique(torch.cat([frequent, labels.flatten().cpu(), others]))
-
-
-def training_forward(draft: DraftModel, target, batch: Batch, tap_scale: torch.Tensor | None,
-                     rows: torch.Tensor | None = None):
-    """Weighted CE sum, weight sum and per-position correct counts for one packed batch.
-    rows: restrict the softmax to these vocabulary rows (sorted ids containing every label)."""
-    dev = target.device
-    taps = batch.taps.to(dev)
-    if tap_scale is not None:
-        taps = taps / tap_scale.to(dev)
-    with torch.no_grad():
-        embeds = target.embed_tokens(batch.block_ids.to(dev))  # frozen, shared
-    S = taps.shape[1]
-    hidden = draft(embeds, batch.positions.to(dev), taps, torch.arange(S, device=dev), None, batch.mask.to(dev))
-    bs, nb, H = hidden.shape
-    B = batch.labels.shape[2] + 1
-    hidden = hidden.view(bs, nb // B, B, H)[:, :, 1:]  # [Bs, N, B-1, H]: positions 1..B-1 predict
-    weights = batch.weights.to(dev)
-    keep = weights > 0
-    labels = batch.labels.to(dev)[keep]
-    if rows is None:
-        logits = target.lm_head(hidden[keep])  # [M, V]
-    else:
-        rows = rows.to(dev)
-        logits = hidden[keep] @ target.lm_head.weight[rows].T  # [M, |rows|]
-        labels = torch.searchsorted(rows, labels)  # position of each label among the rows
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
-    correct = torch.zeros(B - 1, device=dev)
-    pos = torch.arange(B - 1, device=dev).expand_as(weights)[keep]
-    correct.index_add_(0, pos, (logits.argmax(-1) == labels).float())
-    counts = torch.zeros(B - 1, device=dev).index_add_(0, pos, torch.ones_like(pos, dtype=torch.float))
-    return (ce * weights[keep]).sum(), weights.sum(), correct, counts
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -288,6 +168,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     from .data import load_samples
     from .features import (CachedFeatures, EmbeddingFeatures, OnlineFeatures, build_feature_cache, feature_dir,
                            sliced_cache, tap_channel_scale)
+    import numpy as np
+
     from ..models.target import default_mask_token_id, load_target
 
     par = setup(cfg.parallel)
@@ -300,6 +182,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         raise BlockdraftError("block size >= 2, anchors >= 1 and max steps >= 1 are required")
     if cfg.anchor_mode not in ("random", "split"):
         raise BlockdraftError(f"--anchor-mode must be 'random' or 'split' (got {cfg.anchor_mode!r})")
+    if cfg.soft_labels < 0:
+        raise BlockdraftError(f"--soft-labels must be >= 0 (got {cfg.soft_labels})")
     if cfg.num_taps < 0 or (cfg.gamma is not None and not cfg.gamma > 0):
         raise BlockdraftError("--num-taps must be >= 0 and --gamma > 0 (inf: uniform weights)")
     out = Path(cfg.out)
@@ -337,6 +221,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
+    soft = None
+    if cfg.soft_labels:
+        from .soft_labels import build_soft_labels, soft_dir
+
+        if rank == 0:
+            soft = build_soft_labels(cfg.data, "train", samples, target, cfg.soft_labels, progress)
+        if world > 1:
+            par.barrier()
+            soft = CachedFeatures(soft_dir(cfg.data, "train", cfg.soft_labels), np.float32, "topk.f32")
     if cfg.init not in ("random", "target"):
         init_from_drafter(draft, cfg.init, tap_scale)
     frequent = frequent_tokens(samples, cfg.head_vocab, target.vocab_size) if cfg.head_vocab else None
@@ -394,11 +287,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
                 break
         slots = [step * cfg.batch_size + rank * per_rank + j for j in range(per_rank)]
         batch = make_batch(samples, feats, [sample_index(g) for g in slots], cfg, dcfg.mask_token_id,
-                           lambda j: torch.Generator().manual_seed(cfg.seed * 7_919 + slots[j]))
+                           lambda j: torch.Generator().manual_seed(cfg.seed * 7_919 + slots[j]), soft)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         model.train()
-        rows = head_rows(frequent, target.vocab_size, batch.labels,
+        wanted = batch.labels if batch.soft_ids is None else torch.cat([batch.labels.flatten(),
+                                                                        batch.soft_ids.flatten()])
+        rows = head_rows(frequent, target.vocab_size, wanted,  # every label and soft label in the softmax
                          torch.Generator().manual_seed(cfg.seed * 104_729 + step))
         # bf16 autocast on CUDA (mixed precision: fp32 master weights and optimizer); fp32 on the CPU
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
