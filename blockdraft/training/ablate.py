@@ -76,7 +76,7 @@ def base_config(s: StudySettings, run: Run):
 
     cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
                       block_size=16, anchors=16, batch_size=4, lr=1e-3, head_vocab=8192, labels="target",
-                      init="target", max_steps=s.steps, save_every=50, log_every=10, eval_every=0,
+                      init="target", max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 4),
                       eval_prompts=0, seed=0)
     return replace(cfg, **run.overrides)
 
@@ -120,7 +120,9 @@ def score_run(s: StudySettings, run: Run, blocks: tuple[int, ...], target, promp
     final = next(r for r in reversed(log) if r.get("final"))
     draft = load_draft(out / "drafter", device=target.device, dtype=target.dtype)
     score.update(run=run.name, change=run.change, overrides={k: str(v) for k, v in run.overrides.items()},
-                 heldout_acc=final["heldout_acc"], train_minutes=round(max(r.get("elapsed", 0) for r in log) / 60, 1))
+                 heldout_acc=final["heldout_acc"],
+                 acc1_by_step=[[r["step"], r["heldout_acc"][0]] for r in log if r.get("heldout_acc")],
+                 train_minutes=round(max(r.get("elapsed", 0) for r in log) / 60, 1))
     score.setdefault("blocks", {})
     for b in todo:
         taus = {}
@@ -182,10 +184,13 @@ def plot_study(path: Path, study: str, scores: list[dict], blocks: tuple[int, ..
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 3.8))
     for sc in scores:
+        steps, acc1 = zip(*sc["acc1_by_step"])
+        ax0.plot(steps, acc1, marker=".", label=sc["run"])
         acc = sc["heldout_acc"]
         ax1.plot(range(1, len(acc) + 1), acc, marker=".", label=sc["run"])
+    ax0.set(xlabel="training step", ylabel="held-out acc@1", title=f"{study}: convergence")
     ax1.set(xlabel="block position k", ylabel="held-out acc@k", title=f"{study}: accuracy per position")
     ax1.legend(fontsize=8)
     width = 0.8 / (2 * len(blocks))
