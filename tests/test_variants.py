@@ -206,3 +206,14 @@ def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(ti
     assert ids[:, 0].tolist() == logits.argmax(-1).tolist()
     torch.testing.assert_close(p.sum(-1), torch.ones(len(ids)))
     assert (p[:, 0] >= p[:, 1]).all()
+
+
+def test_a_continued_drafter_is_refused_for_studies_that_change_its_shape(tmp_path):
+    from blockdraft.training import ablate as A
+
+    s = A.StudySettings(data=str(tmp_path), init=str(tmp_path / "drafter"))
+    for study in ("layers", "taps", "injection", "context"):
+        with pytest.raises(BlockdraftError, match="--init target"):
+            A.run_studies(s, [study], "x")
+    with pytest.raises(BlockdraftError, match="unknown studies"):
+        A.run_studies(s, ["depth"], "x")

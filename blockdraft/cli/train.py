@@ -1,6 +1,6 @@
 """Commands that make drafters: init, data, train, vocab, and the steps around training:
 prompts (prompt sets for data), merge-data, average (weight soups), accuracy (held-out scores),
-plot-training (training curves)."""
+plot-training (training curves), ablate (the ablation studies)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def cmd_accuracy(data: str, drafters: list[str], target: str, device: str | None
 
 
 def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, steps: int, prompts: int,
-               max_new_tokens: int, list_studies: bool) -> None:
+               max_new_tokens: int, init: str, list_studies: bool) -> None:
     """DFlash's ablations, one change at a time, scored by held-out acceptance (training/ablate.py)."""
     import shlex
     import sys
@@ -166,9 +166,16 @@ def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, 
         raise BlockdraftError("--data is required: a `blockdraft data` directory with the target's labels")
     chosen = list(STUDIES) if studies == ["all"] else studies
     command = "blockdraft " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["ablate"] else \
-        f"blockdraft ablate {' '.join(studies)} --data {data} --steps {steps} --prompts {prompts}"
+        f"blockdraft ablate {' '.join(studies)} --data {data} --steps {steps} --prompts {prompts} --init {init}"
+    if init == "bundled":
+        from .common import bundled_drafter
+
+        found = bundled_drafter(target)
+        if found is None:
+            raise BlockdraftError(f"no bundled drafter for {target}; pass --init DIR")
+        init = str(found)
     run_studies(StudySettings(data=data, runs=runs, out=out, target=target, steps=steps, prompts=prompts,
-                              max_new_tokens=max_new_tokens), chosen, command)
+                              max_new_tokens=max_new_tokens, init=init), chosen, command)
 
 
 def cmd_plot_training(logs: list[str], out: str, start: list[float] | None, bench: list[str]) -> None:
@@ -297,5 +304,7 @@ def add_parsers(sub) -> None:
     ab.add_argument("--steps", type=int, default=300, help="training steps per run (4 sequences each)")
     ab.add_argument("--prompts", type=int, default=10, help="HumanEval problems and MT-Bench questions scored, each")
     ab.add_argument("--max-new-tokens", type=int, default=256)
+    ab.add_argument("--init", default="target", help="target (from the target's layers), bundled, or a drafter "
+                    "directory to continue (the studies that keep the architecture)")
     ab.add_argument("--list", dest="list_studies", action="store_true", help="list the studies and their runs")
     ab.set_defaults(run=cmd_ablate)

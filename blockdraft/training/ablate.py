@@ -2,7 +2,8 @@
 held-out acceptance, resumable.
 
 Every run of every study trains from the same data, seed and start (the target's last layers
-copied into the draft layers, `--init target`) for the same number of steps of the same sequences
+copied into the draft layers, `--init target`; or, for the studies that keep the architecture, a
+drafter continued, e.g. the bundled one: `--init bundled`) for the same number of steps of the same sequences
 and the same number of block tokens (`steps x batch x anchors x block`; the block study doubles
 the anchors of its block-8 run), changing one setting of a shared base. A run is scored by
 
@@ -60,6 +61,9 @@ STUDIES: dict[str, tuple[list[Run], tuple[int, ...]]] = {  # runs, inference blo
 }
 
 
+ARCHITECTURE = {"num_layers", "num_taps", "conditioning"}  # what a continued drafter cannot change
+
+
 @dataclass
 class StudySettings:
     data: str  # a `blockdraft data` directory with the target's labels (`merge-data` or --responses dataset)
@@ -69,6 +73,8 @@ class StudySettings:
     steps: int = 300
     prompts: int = 10  # HumanEval problems and MT-Bench questions each
     max_new_tokens: int = 256
+    init: str = "target"  # "target" (from the target's layers: every study), or a drafter directory to
+    #                       continue (the recipe studies only: its architecture is fixed)
 
 
 def base_config(s: StudySettings, run: Run):
@@ -76,8 +82,8 @@ def base_config(s: StudySettings, run: Run):
 
     cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
                       block_size=16, anchors=16, batch_size=4, lr=1e-3, head_vocab=8192, labels="target",
-                      init="target", max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 4),
-                      eval_prompts=0, seed=0)
+                      init=s.init, max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 2),
+                      eval_prompts=0, eval_sequences=24, seed=0)
     return replace(cfg, **run.overrides)
 
 
@@ -216,6 +222,11 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
         raise BlockdraftError(f"unknown studies {unknown}; choose from {', '.join(STUDIES)} or all")
     if s.steps < 1 or s.prompts < 1 or s.max_new_tokens < 1:
         raise BlockdraftError("--steps, --prompts and --max-new-tokens must be >= 1")
+    if s.init != "target":
+        shaped = sorted({x for st in studies for r in STUDIES[st][0] for x in r.overrides} & ARCHITECTURE)
+        if shaped:
+            raise BlockdraftError(f"--init {s.init}: a drafter to continue fixes {', '.join(shaped)}; "
+                                  "run those studies from the target's layers (--init target)")
     if not (Path(s.data) / "samples.jsonl").exists():
         raise BlockdraftError(f"{s.data} is not a `blockdraft data` directory (no samples.jsonl)")
     from .data import load_samples

@@ -71,6 +71,7 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # steps between held-out tau measurements (0: only at the end)
     eval_prompts: int = 16  # held-out responses for tau (by replay: cheap)
+    eval_sequences: int = 0  # held-out sequences for accuracy (0: all of them)
     eval_tokens: int = 192
     time_budget_minutes: float | None = None  # stop (and save) after this much training time
 
@@ -260,7 +261,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     heldout_feats = OnlineFeatures(target, heldout, dcfg.target_layer_ids)
 
     def evaluate(whole: DraftModel) -> dict:
-        acc = heldout_accuracy(whole, target, heldout, heldout_feats, cfg, tap_scale, dcfg.mask_token_id)
+        acc = heldout_accuracy(whole, target, heldout[: cfg.eval_sequences or None], heldout_feats, cfg, tap_scale,
+                               dcfg.mask_token_id)
         tau = heldout_tau(exportable(whole, tap_scale), target, heldout, cfg.eval_prompts, cfg.eval_tokens)
         return {"step": step, "heldout_tau": round(tau, 3) if tau == tau else None, "heldout_acc": acc}
 

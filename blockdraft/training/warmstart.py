@@ -44,10 +44,10 @@ def init_from_drafter(draft: DraftModel, path: str, tap_scale: torch.Tensor | No
     if not a.plain_attention:
         raise BlockdraftError(f"--init {path}: its layers are causal or sliding-window ({a.layer_types}); "
                               "the trainer trains full bidirectional draft layers only")
-    if (len(src.layers), a.block_size, a.target_layer_ids) != (len(draft.layers), b.block_size, b.target_layer_ids):
-        raise BlockdraftError(f"--init {path}: its drafter has {len(src.layers)} layers, block {a.block_size}, taps "
-                              f"{a.target_layer_ids}; this run wants {len(draft.layers)}, {b.block_size}, "
-                              f"{b.target_layer_ids}")
+    # the block size is no weight: a drafter may continue at another block (the block study does)
+    if (len(src.layers), a.target_layer_ids) != (len(draft.layers), b.target_layer_ids):
+        raise BlockdraftError(f"--init {path}: its drafter has {len(src.layers)} layers, taps {a.target_layer_ids}; "
+                              f"this run wants {len(draft.layers)}, {b.target_layer_ids}")
     if a.conditioning != b.conditioning:
         raise BlockdraftError(f"--init {path}: its conditioning is {a.conditioning!r}, this run's {b.conditioning!r}")
     draft.load_state_dict({k: v.float() for k, v in src.state_dict().items()})
