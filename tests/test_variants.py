@@ -177,6 +177,14 @@ def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, mon
     # another setting in the same runs directory is refused, not mixed in
     with pytest.raises(BlockdraftError, match="other settings"):
         A.run_studies(A.StudySettings(**{**s.__dict__, "steps": 4}), ["decay"], "x")
+    # a continued drafter: its own score comes first, as where every run started
+    cont = A.StudySettings(**{**s.__dict__, "init": str(tmp_path / "runs" / "base" / "drafter"),
+                              "runs": str(tmp_path / "cont"), "out": str(tmp_path / "out-cont")})
+    A.run_studies(cont, ["decay"], "blockdraft ablate decay --init DIR")
+    runs = json.loads((tmp_path / "out-cont" / "decay.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["start", "base", "uniform-loss"]
+    base_log = [json.loads(line) for line in open(tmp_path / "cont" / "base" / "log.jsonl")]
+    assert runs[0]["heldout_acc"] == base_log[0]["heldout_acc"] and base_log[0]["step"] == 0
 
 
 def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(tiny_run):  # noqa: F811

@@ -37,6 +37,7 @@ class Run:
     overrides: dict = field(default_factory=dict)  # TrainConfig fields
 
 
+START = Run("start", "the drafter continued, not trained here (--init DIR only)")
 BASE = Run("base", "base: 3 layers, 5 taps, KV injection, block 16, decayed loss, random anchors")
 STUDIES: dict[str, tuple[list[Run], tuple[int, ...]]] = {  # runs, inference blocks
     "layers": ([Run("layers-1", "1 draft layer", {"num_layers": 1}), BASE,
@@ -122,9 +123,13 @@ def score_run(s: StudySettings, run: Run, blocks: tuple[int, ...], target, promp
     todo = [b for b in blocks if str(b) not in score.get("blocks", {})]
     if not todo and score:
         return score
-    log = _log(out / "log.jsonl")
+    if run is START:  # its held-out accuracy is the base run's at step 0, before any step
+        log = [dict(r, final=True) for r in _log(Path(s.runs) / BASE.name / "log.jsonl")[:1]]
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        log = _log(out / "log.jsonl")
     final = next(r for r in reversed(log) if r.get("final"))
-    draft = load_draft(out / "drafter", device=target.device, dtype=target.dtype)
+    draft = load_draft(s.init if run is START else out / "drafter", device=target.device, dtype=target.dtype)
     score.update(run=run.name, change=run.change, overrides={k: str(v) for k, v in run.overrides.items()},
                  heldout_acc=final["heldout_acc"],
                  acc1_by_step=[[r["step"], r["heldout_acc"][0]] for r in log if r.get("heldout_acc")],
@@ -244,6 +249,8 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
             print(f"ablate {study}: {run.name} ({run.change})", flush=True)
             train_run(s, run)
             scores.append(score_run(s, run, blocks, target, prompts))
+        if s.init != "target" and BASE in runs:  # where every run started, for comparison
+            scores.insert(0, score_run(s, START, blocks, target, prompts))
         written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0))
         print(f"wrote {written[-1]}", flush=True)
     return written
