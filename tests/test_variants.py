@@ -173,6 +173,11 @@ def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, mon
     report = json.loads((tmp_path / "out" / "decay.json").read_text())
     assert [r["run"] for r in report["runs"]] == ["base", "uniform-loss"]
     assert all(len(r["heldout_acc"]) == 15 for r in report["runs"])  # block 16: positions 1..15
+    # one shape, one cost measurement: the predicted speeds differ by tau only
+    a, b = (r["blocks"]["16"] for r in report["runs"])
+    assert a["costs"] == b["costs"] and a["costs"]["t_verify_ms"] > 0
+    assert a["predicted_speedup"]["humaneval"] == pytest.approx(A.predicted_speedup(a["tau"]["humaneval"], a["costs"]),
+                                                                abs=1e-3)
     assert (tmp_path / "out" / "decay.png").stat().st_size > 0
     # another setting in the same runs directory is refused, not mixed in
     with pytest.raises(BlockdraftError, match="other settings"):

@@ -112,8 +112,7 @@ def train_run(s: StudySettings, run: Run) -> Path:
 
 
 def score_run(s: StudySettings, run: Run, blocks: tuple[int, ...], target, prompts: dict) -> dict:
-    """The run's score.json (computed once per inference block; kept)."""
-    from ..evaluation.bench import measure_costs
+    """The run's score.json: held-out accuracy and tau per inference block (computed once; kept)."""
     from ..evaluation.replay import replay
     from ..models.checkpoint import load_draft
 
@@ -140,14 +139,33 @@ def score_run(s: StudySettings, run: Run, blocks: tuple[int, ...], target, promp
         for name, (ids, refs) in prompts.items():
             per = [replay(target, draft, p, r, b, s.max_new_tokens).tau for p, r in zip(ids, refs)]
             taus[name] = round(sum(per) / len(per), 3)
-        costs = measure_costs(target, draft, prompts["humaneval"][0][0], b, repeats=5)
-        t = costs["t_target"]
-        ratio = t[1] / (t[b] + costs["t_draft"])
-        score["blocks"][str(b)] = {"tau": taus, "t1_ms": round(t[1] * 1e3, 1), "t_verify_ms": round(t[b] * 1e3, 1),
-                                   "t_draft_ms": round(costs["t_draft"] * 1e3, 1),
-                                   "predicted_speedup": {k: round(v * ratio, 3) for k, v in taus.items()}}
+        score["blocks"][str(b)] = {"tau": taus}
         path.write_text(json.dumps(score, indent=1) + "\n")
     return score
+
+
+def shape_of(s: StudySettings, run: Run) -> tuple:
+    """What a drafter's cost depends on: runs of one shape share one measurement, so that their
+    predicted speeds differ by their tau only, not by the timing noise of separate measurements."""
+    cfg = base_config(s, run)
+    return cfg.num_layers, cfg.num_taps, cfg.conditioning
+
+
+def step_costs(s: StudySettings, run: Run, block: int, target, prompt: list[int]) -> dict:
+    """Milliseconds of the target's forward over 1 and `block` tokens and of this run's draft
+    forward, after `prompt`, medians of 9 (measured in this process)."""
+    from ..evaluation.bench import measure_costs
+    from ..models.checkpoint import load_draft
+
+    path = s.init if run is START else Path(s.runs) / run.name / "drafter"
+    c = measure_costs(target, load_draft(path, device=target.device, dtype=target.dtype), prompt, block, repeats=9)
+    return {"t1_ms": round(c["t_target"][1] * 1e3, 1), "t_verify_ms": round(c["t_target"][block] * 1e3, 1),
+            "t_draft_ms": round(c["t_draft"] * 1e3, 1)}
+
+
+def predicted_speedup(tau: float, cost: dict) -> float:
+    """The cost model's tokens/s against plain decoding: tau tokens per t(B) + t_draft, one per t(1)."""
+    return tau * cost["t1_ms"] / (cost["t_verify_ms"] + cost["t_draft_ms"])
 
 
 def load_prompt_sets(s: StudySettings, target) -> dict:
@@ -163,9 +181,15 @@ def load_prompt_sets(s: StudySettings, target) -> dict:
 
 
 def write_study(s: StudySettings, study: str, scores: list[dict], blocks: tuple[int, ...], command: str,
-                seconds: float) -> Path:
+                seconds: float, costs: dict) -> Path:
+    """costs: {run name: {block: step_costs}}, shared by the runs of one shape."""
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
+    for sc in scores:
+        for b in blocks:
+            r = sc["blocks"][str(b)]
+            r["costs"] = costs[sc["run"]][b]
+            r["predicted_speedup"] = {k: round(predicted_speedup(v, r["costs"]), 3) for k, v in r["tau"].items()}
     (out / f"{study}.json").write_text(json.dumps({"study": study, "command": command, "runs": scores}, indent=1) + "\n")
     k = 4  # acc@1..4 in the table; all positions in the JSON
     head = ["run", "change", "train min"] + [f"acc@{i}" for i in range(1, k + 1)]
@@ -174,8 +198,9 @@ def write_study(s: StudySettings, study: str, scores: list[dict], blocks: tuple[
     lines = [f"# Study: {study}", "", "```", command, "```", "",
              f"{s.steps} steps of 4 sequences per run; tau by replay on the first {s.prompts} HumanEval problems "
              f"(HE) and MT-Bench first turns (MT), greedy, {s.max_new_tokens} new tokens; speed: the cost model's "
-             f"tau x t(1) / (t(B) + t_draft), against plain decoding. This invocation took {seconds / 60:.0f} min "
-             "(runs already done elsewhere are not retrained).", "",
+             f"tau x t(1) / (t(B) + t_draft), against plain decoding, with one measurement per drafter shape "
+             f"({_cost_line(scores, blocks)}). This invocation took {seconds / 60:.0f} min (runs already done "
+             "elsewhere are not retrained).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for sc in scores:
         row = [sc["run"], sc["change"], f"{sc['train_minutes']:.1f}"] + [f"{a:.3f}" for a in sc["heldout_acc"][:k]]
@@ -187,6 +212,15 @@ def write_study(s: StudySettings, study: str, scores: list[dict], blocks: tuple[
     (out / f"{study}.md").write_text("\n".join(lines) + "\n")
     plot_study(out / f"{study}.png", study, scores, blocks)
     return out / f"{study}.md"
+
+
+def _cost_line(scores: list[dict], blocks: tuple[int, ...]) -> str:
+    seen = {}
+    for sc in scores:
+        for b in blocks:
+            c = sc["blocks"][str(b)]["costs"]
+            seen.setdefault((c["t1_ms"], b, c["t_verify_ms"]), []).append(f"{sc['run']} {c['t_draft_ms']}")
+    return "; ".join(f"t(1) {t1} ms, t({b}) {tv} ms, t_draft: " + ", ".join(d) for (t1, b, tv), d in seen.items())
 
 
 def plot_study(path: Path, study: str, scores: list[dict], blocks: tuple[int, ...]) -> None:
@@ -240,7 +274,10 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
         raise BlockdraftError(f"{s.data} has no held-out samples, which score each run's accuracy")
     target = load_target(s.target)
     prompts = load_prompt_sets(s, target)
-    written = []
+    written, measured = [], {}  # (shape, block) -> step costs, once per shape in this process
+    first = prompts["humaneval"][0][0]
+    if s.init != "target":  # the target's costs once, with the continued drafter
+        base_costs = {b: step_costs(s, START, b, target, first) for b in sorted({b for st in studies for b in STUDIES[st][1]})}
     for study in studies:
         t0 = time.perf_counter()
         runs, blocks = STUDIES[study]
@@ -251,6 +288,14 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
             scores.append(score_run(s, run, blocks, target, prompts))
         if s.init != "target" and BASE in runs:  # where every run started, for comparison
             scores.insert(0, score_run(s, START, blocks, target, prompts))
-        written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0))
+            runs = [START] + runs
+        costs = {}
+        for run in runs:
+            for b in blocks:
+                key = (shape_of(s, run), b)
+                if key not in measured:
+                    measured[key] = base_costs[b] if s.init != "target" else step_costs(s, run, b, target, first)
+                costs.setdefault(run.name, {})[b] = measured[key]
+        written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0, costs))
         print(f"wrote {written[-1]}", flush=True)
     return written
