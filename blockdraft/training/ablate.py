@@ -276,8 +276,6 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
     prompts = load_prompt_sets(s, target)
     written, measured = [], {}  # (shape, block) -> step costs, once per shape in this process
     first = prompts["humaneval"][0][0]
-    if s.init != "target":  # the target's costs once, with the continued drafter
-        base_costs = {b: step_costs(s, START, b, target, first) for b in sorted({b for st in studies for b in STUDIES[st][1]})}
     for study in studies:
         t0 = time.perf_counter()
         runs, blocks = STUDIES[study]
@@ -294,7 +292,7 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
             for b in blocks:
                 key = (shape_of(s, run), b)
                 if key not in measured:
-                    measured[key] = base_costs[b] if s.init != "target" else step_costs(s, run, b, target, first)
+                    measured[key] = step_costs(s, run, b, target, first)
                 costs.setdefault(run.name, {})[b] = measured[key]
         written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0, costs))
         print(f"wrote {written[-1]}", flush=True)

@@ -167,7 +167,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     from tqdm import tqdm
 
     from .data import load_samples
-    from .features import (CachedFeatures, EmbeddingFeatures, OnlineFeatures, build_feature_cache, feature_dir,
+    from .features import (CachedFeatures, EmbeddingFeatures, OnlineFeatures, build_feature_cache,
                            sliced_cache, tap_channel_scale)
     import numpy as np
 
@@ -217,8 +217,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
             feats = build_feature_cache(cfg.data, "train", samples, target, dcfg.target_layer_ids, progress)
         if world > 1:
             par.barrier()
-            feats = sliced_cache(cfg.data, "train", samples, dcfg.target_layer_ids, target.hidden_size) or \
-                CachedFeatures(feature_dir(cfg.data, "train", dcfg.target_layer_ids))
+            feats = sliced_cache(cfg.data, "train", samples, dcfg.target_layer_ids, target.hidden_size)
     else:
         feats = OnlineFeatures(target, samples, dcfg.target_layer_ids)
     tap_scale = tap_channel_scale(feats) if cfg.tap_norm else None
@@ -258,7 +257,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         epoch, pos = divmod(g, len(samples))
         return epoch_order(epoch)[pos]
 
-    heldout_feats = OnlineFeatures(target, heldout, dcfg.target_layer_ids)
+    heldout_feats = EmbeddingFeatures(target, heldout) if dcfg.target_layer_ids == [EMBEDDING_TAP] else \
+        OnlineFeatures(target, heldout, dcfg.target_layer_ids)  # an embedding needs no target forward
 
     def evaluate(whole: DraftModel) -> dict:
         acc = heldout_accuracy(whole, target, heldout[: cfg.eval_sequences or None], heldout_feats, cfg, tap_scale,
