@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from blockdraft.evaluation import bench
 from blockdraft.evaluation.datasets import load_prompts
@@ -175,3 +176,16 @@ def test_tree_methods_report_their_trees_and_the_ceiling_at_their_verify_size(tm
                                     "tree": [(3, "oracle@0.7+tree3:4"), (6, "oracle@0.7+tree6:4")]}
     plot_report({**report, "dataset": "tiny"}, str(tmp_path / "trees.png"))
     assert (tmp_path / "trees.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_profile_runs_a_bf16_drafter_with_a_vocabulary_subset():
+    """The drafter may compute in bf16 beside an fp32 target (`--draft-dtype auto` on a CPU with
+    AVX512-BF16): the profile must feed each part in its own dtype, the subset head included."""
+    from blockdraft.models.profile import profile_step
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=4)
+    draft.vocab_ids = torch.arange(0, target.vocab_size, 2)
+    draft.to(dtype=torch.bfloat16)
+    prof = profile_step(target, draft, [1, 2, 3, 4, 5], blocks=(1, 2, 4), repeats=1)
+    assert sorted(prof["draft_head"]) == [2, 4] and all(v > 0 for v in prof["draft_head"].values())

@@ -77,11 +77,12 @@ def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: 
     draft.block_hidden(embed, dcache, out.taps, 0, n, big)  # the context's K/V (block_hidden casts the taps)
     empty = out.taps[:, :0]
     taps_b = out.taps[:, -1:].expand(1, big, -1).to(draft.dtype)  # fuse takes them in the draft's dtype
+    draft_hidden = hidden.to(draft.dtype)  # so does its head (a bf16 copy where the drafter runs in bf16)
     for b in blocks:
         report["draft_fuse"][b] = ms(lambda b=b: draft.fuse(taps_b[:, :b]))
         if b >= 2:
             report["draft_layers"][b] = ms(lambda b=b: draft.block_hidden(embed, dcache, empty, 0, n, b))
-            report["draft_head"][b] = ms(lambda b=b: head(hidden[: b - 1]))
+            report["draft_head"][b] = ms(lambda b=b: head(draft_hidden[: b - 1]))
     return report
 
 
