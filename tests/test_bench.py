@@ -189,3 +189,81 @@ def test_the_profile_runs_a_bf16_drafter_with_a_vocabulary_subset():
     draft.to(dtype=torch.bfloat16)
     prof = profile_step(target, draft, [1, 2, 3, 4, 5], blocks=(1, 2, 4), repeats=1)
     assert sorted(prof["draft_head"]) == [2, 4] and all(v > 0 for v in prof["draft_head"].values())
+
+
+FAKE_VLLM = '''
+import os
+from types import SimpleNamespace as NS
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens):
+        self.max_tokens = max_tokens
+
+class LLM:
+    def __init__(self, **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError("no engine for you")
+        self.spec = (kwargs.get("speculative_config") or {}).get("num_speculative_tokens", 0)
+        self.drafts = self.accepted = 0
+
+    def generate(self, prompts, params, use_tqdm=False):
+        if self.spec and params.max_tokens > 1:
+            self.drafts += 4
+            self.accepted += 2  # tau 1.5
+        return [NS(outputs=[NS(token_ids=[7] * params.max_tokens)])]
+
+    def get_metrics(self):
+        return [NS(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                NS(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted)]
+'''
+
+
+def _fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+
+
+def test_vllm_peer_rows_join_the_table_and_their_outputs_are_checked(tmp_path, monkeypatch):
+    """The peer protocol end to end against a stand-in for vLLM (the real one: tests/test_vllm.py):
+    one child per method, vLLM's counters give tau, and a peer whose tokens differ is caught."""
+    import sys
+
+    from blockdraft.evaluation.peer_vllm import VllmPeer
+
+    _fake_vllm(tmp_path, monkeypatch)
+    target = tiny_target("llama")
+    peer = VllmPeer.start(sys.executable, tmp_path, tmp_path, {"vllm": 0, "vllm-dflash:4": 3}, "float32", 64,
+                          tmp_path / "vllm.log")
+    try:
+        report = bench.run_bench(target, None, [[1, 2, 3], [4, 5]], ("ar", "vllm", "vllm-dflash:4"),
+                                 max_new_tokens=6, progress=False, profile=False, peer=peer)
+    finally:
+        peer.close()
+    assert all(c.proc.poll() is not None for c in peer.children.values())  # closed
+    m = report["methods"]
+    assert m["vllm"]["tau"] == 1.0 and m["vllm-dflash:4"]["tau"] == 1.5
+    assert m["vllm-dflash:4"]["accepted_per_verified"] == round(2 / (4 * 3), 3)
+    assert m["vllm"]["tokens"] == 12 and "speedup_vs_ar" in m["vllm"]  # (a stand-in takes no time to time)
+    assert {x["method"] for x in report["mismatches"]} == {"vllm", "vllm-dflash:4"}  # [7, 7, ...] is not ar's
+    assert "vllm-dflash:4" in bench.format_table(report)
+
+
+def test_vllm_peer_errors_are_clear(tmp_path, monkeypatch):
+    import sys
+
+    from blockdraft.evaluation.peer_vllm import VllmPeer
+
+    target = tiny_target("llama")
+    with pytest.raises(BlockdraftError, match="make vllm-env"):
+        VllmPeer.start(tmp_path / "no-python", tmp_path, tmp_path, {"vllm": 0}, "float32", 64, tmp_path / "l.log")
+    with pytest.raises(BlockdraftError, match="needs a drafter"):
+        VllmPeer.start(sys.executable, tmp_path, None, {"vllm-dflash": 15}, "float32", 64, tmp_path / "l.log")
+    with pytest.raises(BlockdraftError, match="started vLLM peer"):
+        bench.run_bench(target, None, [[1, 2]], ("ar", "vllm"), max_new_tokens=2, progress=False, profile=False)
+    _fake_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    with pytest.raises(BlockdraftError, match="(?s)exited with 1 during start.*no engine for you"):
+        VllmPeer.start(sys.executable, tmp_path, tmp_path, {"vllm": 0}, "float32", 64, tmp_path / "l.log")

@@ -16,10 +16,13 @@ needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), to
 
 
 @needs_packing
-def test_packed_rows_are_bitwise_independent_of_the_row_count():
+def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch):
+    from blockdraft.models import kernels
+
     torch.manual_seed(0)
     layer = nn.Linear(96, 300)
     prepack(layer)
+    monkeypatch.setitem(kernels.SMALL_ROWS, (96, 300, torch.float32, torch.get_num_threads()), 1)  # packed always
     x = torch.randn(16, 96)
     with torch.inference_mode():
         all_rows = layer(x)
@@ -28,6 +31,30 @@ def test_packed_rows_are_bitwise_independent_of_the_row_count():
         with use_packed(False):
             plain = layer(x)
     assert torch.allclose(plain, all_rows, atol=1e-5)
+
+
+@needs_packing
+def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch):
+    """Where the default kernel measured faster at few rows, those calls compute exactly what
+    transformers computes; from that count up the packed kernel runs, row-independent as ever."""
+    from blockdraft.models import kernels
+
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 300)
+    prepack(layer)
+    key = (96, 300, torch.float32, torch.get_num_threads())
+    x = torch.randn(16, 96)
+    with torch.inference_mode():
+        monkeypatch.setitem(kernels.SMALL_ROWS, key, 1)
+        packed = layer(x)
+        monkeypatch.setitem(kernels.SMALL_ROWS, key, 3)
+        for m in (1, 2):
+            assert torch.equal(layer(x[:m]), nn.functional.linear(x[:m], layer.weight, layer.bias))
+        for m in (3, 5, 16):
+            assert torch.equal(layer(x[:m]), packed[:m])
+    monkeypatch.delitem(kernels.SMALL_ROWS, key)
+    rows = kernels.small_rows(layer.weight, layer.forward.packed)  # measured here, then cached
+    assert 1 <= rows <= kernels.SMALL_ROWS_TRIED + 1 and kernels.SMALL_ROWS[key] == rows
 
 
 @needs_packing
@@ -63,8 +90,8 @@ def test_target_and_engine_pack_the_target_and_the_drafter():
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_block_forward_matches_one_token_forwards(kind):
     """A verify forward over a block gives each position the logits that decoding one token at a
-    time gives, to fp32 rounding: the packed linear layers are bitwise row-independent, and only
-    attention (SDPA over 1 query or a block of them) rounds differently, by ~1e-7."""
+    time gives, to fp32 rounding: a block's rows and one-token rows may run different linear
+    kernels (kernels.small_rows), and attention (SDPA over 1 query or a block) rounds differently."""
     target = tiny_target(kind)
     prompt = torch.tensor([[5, 17, 33, 2, 9, 41]])
     block = torch.tensor([[3, 8, 60, 11, 12, 70, 1, 4]])

@@ -13,7 +13,8 @@ from .common import add_dtype_args, bundled_drafter, load_engine
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
               device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
-              dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True) -> None:
+              dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True,
+              vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log") -> None:
     from ..evaluation.bench import check_methods, dump, format_table, parse_method, run_bench
     from ..evaluation.plot import plot_report
     from ..evaluation.datasets import load_prompts
@@ -30,14 +31,42 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         from ..evaluation.replay import default_references_path, reference_continuations
 
         refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
-    report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature, warmup,
-                       oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed)
+    peer = _start_vllm(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
+                       vllm_python, vllm_log)
+    try:
+        report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature,
+                           warmup, oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed,
+                           peer=peer)
+    finally:
+        if peer is not None:
+            peer.close()
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
         Path(as_json).write_text(dump(report) + "\n")
     if plot:
         plot_report(report, plot)
+
+
+def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_new_tokens: int,
+                block_size: int | None, temperature: float, python: str | None, log: str):
+    """The vLLM peer for the bench's vllm methods (peer_vllm.py), or None when there are none."""
+    from ..evaluation.bench import parse_method
+    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, speculative_tokens
+    from ..models.target import resolve_target_path
+
+    specs = {m: parse_method(m) for m in methods if parse_method(m).name.startswith("vllm")}
+    if not specs:
+        return None
+    if temperature != 0:
+        raise BlockdraftError("the vllm methods run greedy only (--temperature 0): vLLM samples other random numbers")
+    drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
+    drafter_block = engine.draft.block_size if engine.draft is not None else 2
+    configs = {m: speculative_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}
+    print(f"starting vLLM for {', '.join(configs)} (log: {log})", flush=True)
+    return VllmPeer.start(python or DEFAULT_PYTHON, resolve_target_path(target), drafter_dir, configs,
+                          str(engine.target.dtype).removeprefix("torch."),
+                          max(map(len, prompts)) + max_new_tokens + 64, log)
 
 
 def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | None, max_new_tokens: int,
@@ -105,7 +134,8 @@ def add_parsers(sub) -> None:
                    help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
                         "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "
                         "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
-                        "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32)")
+                        "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32); "
+                        "vllm (vLLM-CPU's plain decoding) and vllm-dflash[:B] (vLLM with the drafter) as peers")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)
@@ -117,6 +147,10 @@ def add_parsers(sub) -> None:
                    help="our engine on oneDNN-prepacked linear layers (default); --no-packed: on transformers' "
                         "own kernels, as before the fast forward")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
+    b.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="for the methods vllm and vllm-dflash[:B]: the python of a venv with vllm-cpu "
+                        "(default .venv-vllm/bin/python, which `make vllm-env` builds)")
+    b.add_argument("--vllm-log", default="runs/bench-vllm.log", metavar="FILE", help="vLLM's own log")
     b.set_defaults(run=cmd_bench)
 
     r = sub.add_parser("tau", help="a drafter's tau at temperature 0 by replay against cached greedy references")

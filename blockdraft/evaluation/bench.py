@@ -32,7 +32,7 @@ from ..models.kernels import use_packed
 from ..decoding.oracle import OracleDraft
 from ..decoding.verify import SamplingParams
 
-METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle")
+METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle", "vllm", "vllm-dflash")  # vllm: peer_vllm.py
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
 TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
 
@@ -82,8 +82,8 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
             raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
     if name not in METHODS:
         raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
-    if block is not None and name not in ("dflash", "oracle"):
-        raise BlockdraftError(f"{method!r}: only dflash and oracle take a block size (':B')")
+    if block is not None and name not in ("dflash", "oracle", "vllm-dflash"):
+        raise BlockdraftError(f"{method!r}: only dflash, oracle and vllm-dflash take a block size (':B')")
     if lookup is not None and name not in ("dflash", "ar"):
         raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
     if tree is not None and name not in ("dflash", "oracle"):
@@ -243,12 +243,13 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
               references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True,
-              packed: bool = True) -> dict:
+              packed: bool = True, peer=None) -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
     prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
     `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
-    "before" of the fast forward; hf methods always run those."""
+    "before" of the fast forward; hf methods always run those. `peer`: a started
+    peer_vllm.VllmPeer for the vllm methods."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -262,6 +263,9 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                        tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
+    if any(specs[m].name.startswith("vllm") for m in methods) and (peer is None or temperature != 0):
+        raise BlockdraftError("the vllm methods need a started vLLM peer (`blockdraft bench` starts one) and "
+                              "temperature 0 (its sampling draws other random numbers)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
@@ -286,6 +290,10 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             return _run_hf(target, ids, cfg, res, prompt_lookup_num_tokens=PLD_TOKENS)
         if name == "hf-assisted":
             return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
+        if name.startswith("vllm"):
+            from .peer_vllm import run_peer
+
+            return run_peer(peer, method, ids, cfg.max_new_tokens, res)
         if name == "oracle":
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
