@@ -40,7 +40,7 @@ def test_bench_runs_vllm_as_a_peer_beside_our_methods(tmp_path):
     env = subprocess.run(["make", "-C", str(ROOT), "vllm-env"], capture_output=True, text=True, timeout=1800)
     assert env.returncode == 0, env.stdout[-2000:] + env.stderr[-3000:]
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--limit", "2", "--max-new-tokens", "48",
+    proc = subprocess.run([sys.executable, "-m", "blockdraft.cli", "bench", "--limit", "2", "--max-new-tokens", "48",
                            "--methods", "dflash,ar,vllm,vllm-dflash:4", "--json", str(out),
                            "--vllm-python", str(ROOT / ".venv-vllm" / "bin" / "python"),
                            "--vllm-log", str(tmp_path / "vllm.log")],

@@ -63,7 +63,8 @@ def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_ne
     drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
     drafter_block = engine.draft.block_size if engine.draft is not None else 2
     configs = {m: speculative_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}
-    print(f"starting vLLM for {', '.join(configs)} (log: {log})", flush=True)
+    print(f"starting vLLM for {', '.join(configs)} (logs: {Path(log).with_suffix('')}-N{Path(log).suffix})",
+          flush=True)
     return VllmPeer.start(python or DEFAULT_PYTHON, resolve_target_path(target), drafter_dir, configs,
                           str(engine.target.dtype).removeprefix("torch."),
                           max(map(len, prompts)) + max_new_tokens + 64, log)

@@ -3,8 +3,8 @@
 prompt token ids, interleaved prompt by prompt with our methods, in the same table.
 
 vLLM lives in a venv of its own (`make vllm-env`: it wants another transformers), so it runs in a
-child process (vllm_runner.py, under that venv's python) that holds one offline `vllm.LLM` per
-method and answers one request at a time over a pipe. Batch 1, greedy, `enforce_eager` (what its
+child process per method (vllm_runner.py, under that venv's python), each holding one offline
+`vllm.LLM` and answering one request at a time over a pipe. Batch 1, greedy, `enforce_eager` (what its
 CPU build supports), the target's dtype. Its time per request is measured inside the child
 around `LLM.generate`, so the pipe costs nothing; the decode time leaves out a separate
 one-token run of the same prompt, as our engine's leaves out its prefill and first token.
@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ..errors import BlockdraftError
 
-METHODS = ("vllm", "vllm-dflash")
 READY_TIMEOUT_S = 900  # building a few LLMs on 2 cores takes one or two minutes; a cold disk, more
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # where `make vllm-env` builds it
 
