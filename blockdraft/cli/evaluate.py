@@ -52,14 +52,13 @@ def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_ne
                 block_size: int | None, temperature: float, python: str | None, log: str):
     """The vLLM peer for the bench's vllm methods (peer_vllm.py), or None when there are none."""
     from ..evaluation.bench import parse_method
-    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, speculative_tokens
+    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, check_greedy, speculative_tokens
     from ..models.target import resolve_target_path
 
-    specs = {m: parse_method(m) for m in methods if parse_method(m).name.startswith("vllm")}
+    specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("vllm")}
     if not specs:
         return None
-    if temperature != 0:
-        raise BlockdraftError("the vllm methods run greedy only (--temperature 0): vLLM samples other random numbers")
+    check_greedy(temperature)  # before vLLM's start-up, not a minute after it
     drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
     drafter_block = engine.draft.block_size if engine.draft is not None else 2
     configs = {m: speculative_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}

