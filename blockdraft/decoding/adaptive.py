@@ -10,8 +10,9 @@ changes speed only. Model:
 The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
 runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
 an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
-resets when a probe is accepted. The interval is never shorter than what keeps the probes'
-extra cost, c(B) - c(1) each, under `probe_budget` of the plain steps' time: a drafter that
+resets when a probe is accepted; the steps on which prompt lookup displaced the drafter
+(propose.py) count as plain steps there, so a cost or acceptance measured badly once is measured
+again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each, under `probe_budget` of the plain steps' time: a drafter that
 never helps then costs at most that. The engine keeps one policy across requests (the drafter's
 acceptance and the machine's costs do not change between them), so only its first request pays
 for learning them; counts are halved past `memory` observations so that it keeps adapting.
@@ -37,6 +38,7 @@ class AdaptiveBlockPolicy:
     passed: list[float] = field(default_factory=list)  # ... and accepted it
     cost: dict[int, float] = field(default_factory=dict)  # block -> EMA seconds per step
     prior_cost: dict[int, float] = field(default_factory=dict)  # block -> seconds expected before any measure
+    measures: dict[int, int] = field(default_factory=dict)  # block -> steps measured
     steps_since_probe: int = 0
     interval: int = 0  # current probe interval (starts at probe_every)
     probing: bool = False
@@ -82,22 +84,30 @@ class AdaptiveBlockPolicy:
 
     def choose(self) -> int:
         # Measure both ends of the cost curve first (unless expected already): the full block, then
-        # a plain step.
-        if self.max_block not in self.cost and self.max_block not in self.prior_cost:
+        # a plain step, each twice (a first call can cost many times the next: kernels that
+        # measure or pack themselves on it, record keeps the lower).
+        for end in (self.max_block, 1):
+            if end not in self.prior_cost and (end not in self.cost or self.measures.get(end) == 1):
+                return end
+        if self.probing:  # a probe was due where another proposer displaced this one (probe_due)
             return self.max_block
-        if 1 not in self.cost and 1 not in self.prior_cost:
-            return 1
         best = max(range(1, self.max_block + 1), key=self.rate)
-        if best == 1:
-            self.steps_since_probe += 1
-            c1, cmax = self.step_cost(1), self.step_cost(self.max_block)
-            extra = max(0.0, cmax - c1)
-            floor = math.ceil(extra / (self.probe_budget * c1)) if c1 > 0 else 0
-            if self.steps_since_probe >= max(self.interval, floor):
-                self.steps_since_probe = 0
-                self.probing = True
-                return self.max_block
+        if best == 1 and self.probe_due():
+            return self.max_block
         return best
+
+    def probe_due(self) -> bool:
+        """Count a step on which this policy's blocks did not run (a plain step, or another
+        proposer's); True when the next should run them again, as a probe (see the module doc)."""
+        self.steps_since_probe += 1
+        c1, cmax = self.step_cost(1), self.step_cost(self.max_block)
+        extra = 0.0 if c1 is None or cmax is None else max(0.0, cmax - c1)
+        floor = math.ceil(extra / (self.probe_budget * c1)) if c1 else 0
+        if self.steps_since_probe < max(self.interval, floor):
+            return False
+        self.steps_since_probe = 0
+        self.probing = True
+        return True
 
     def update(self, block: int, accepted: int, seconds: float) -> None:
         """Record a step: its acceptance and its cost."""
@@ -119,7 +129,12 @@ class AdaptiveBlockPolicy:
             self.probing = False
             self.interval = self.probe_every if accepted else min(2 * self.interval, self.max_probe_every)
         old = self.cost.get(block)
-        self.cost[block] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        self.measures[block] = self.measures.get(block, 0) + 1
+        # A step never runs faster than the machine allows, but often slower (a kernel's first
+        # call measuring itself, a page fault, another process): a lower measure replaces the
+        # estimate at once, a higher one moves it by the EMA. One slow step then does not keep
+        # a block from being chosen again once it is measured again.
+        self.cost[block] = seconds if old is None else min(seconds, (1 - self.ema) * old + self.ema * seconds)
 
 
 @dataclass
@@ -136,6 +151,9 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
 
     def expected_tokens(self, block: int) -> float:
         return self.expected[block - 1]
+
+    def best_rate(self) -> float | None:
+        return super().best_rate() if self.expected else None  # None until a tree was planned
 
     def learn(self, block: int, accepted: int) -> None:
         pass  # acceptance is learned by the tree's rates

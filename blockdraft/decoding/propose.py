@@ -109,8 +109,8 @@ class Proposers:
             # the alternative is the drafter's block, not a plain step: verify the lookup only if
             # it is expected to yield as many tokens per second (while either is unmeasured, try it)
             mine, theirs = policy.rate(1 + len(tokens)), self.chain.best_rate()
-            if mine is not None and theirs is not None and mine < theirs:
-                return None
+            if mine is not None and theirs is not None and (mine < theirs or self.chain.probe_due()):
+                return None  # the drafter's turn (now and then as a probe, though the lookup looks better)
         if not tokens:  # its policy expects no lookup token to pay: the drafter's turn
             return None
         return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
