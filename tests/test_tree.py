@@ -76,6 +76,21 @@ def test_tree_greedy_equals_plain_decoding_for_every_budget(kind):
         assert got.token_ids == expected, lookup
 
 
+def test_adaptive_trees_verify_the_lookup_alone_where_it_pays():
+    """With the tree's size adapting, a lone sequence's step may verify the prompt-lookup
+    continuation alone, with no draft forward, as an adaptive chain's may: the target here
+    repeats its prompt, the drafter is random, so the lookup pays and the drafter does not."""
+    target = tiny_target("llama")
+    prompt = list(range(3, 40)) * 2
+    expected = greedy(Engine(target), prompt, n=48).token_ids
+    engine = Engine(target, tiny_draft(target, block_size=8))
+    for _ in range(2):  # the engine keeps its policies: the second request starts from what the first learned
+        got = greedy(engine, prompt, n=48, budget=16, block=None, lookup=True)
+        assert got.token_ids == expected
+    assert got.stats.lookup_steps > 0 and got.stats.tau > 2
+    assert len(got.stats.tree_sizes) < len(got.stats.acceptance_lengths)  # not every step was a tree
+
+
 def test_a_lookup_branch_joins_the_tree_and_merges_with_an_equal_candidate():
     cands = [[4, 5], [6, 7], [8, 9]]  # [depth - 1][rank]
     tree = build_tree(cands, anchor=1, budget=12, rates=TreeRates(), lookup=[5, 3, 2])

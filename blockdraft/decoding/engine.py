@@ -129,7 +129,8 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     """Step 1, for one sequence: what the target verifies after its anchor, never more than the
     budget or the context can take, nor than `cap` (a batch's choice) where the request adapts.
     Chains: prompt-lookup tokens where they are expected to pay (no forward at all), else the
-    drafter's block. Trees: the drafter's candidates and the lookup continuation in one tree.
+    drafter's block. Trees: the same lookup-alone steps where the tree's size adapts (a lone
+    sequence), else the drafter's candidates and the lookup continuation in one tree.
     Where the drafter must run, what it is asked for (`DraftWanted`)."""
     p, times = seq.proposers, seq.stats.step_seconds
     times.mark = clock()
@@ -138,11 +139,13 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     if cap is not None and adapts:
         room = min(room, cap)
     history = seq.prompt_ids + seq.stopper.generated
-    if p.tree_budget is None:
+    if p.tree_budget is None or (p.tree is not None and cap is None):
+        # chains, and a lone sequence's adaptive trees: the lookup alone (no draft forward) where it pays
         proposal = p.propose_lookup(history, room, target.device, batched=cap is not None)
         times.lap("lookup", clock())
         if proposal is not None:
             return proposal
+    if p.tree_budget is None:
         block = room if cap is not None and p.chain is not None else p.chain_block(room)
         if block > 1:
             return DraftWanted(seq, block, lambda logits: p.propose_chain(logits, seq.gen))

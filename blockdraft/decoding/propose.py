@@ -5,7 +5,8 @@
 - the drafter's chain: one block-diffusion forward, one token per block position;
 - the drafter's tree (tree.py): the same forward, several candidates per position, the lookup
   continuation as one more branch, its node budget chosen from the measured cost of verifying n
-  tokens (down to a plain step).
+  tokens (down to a plain step); where the budget adapts, a lone sequence's step may verify the
+  lookup continuation alone instead, as a chain's may.
 Each returns a `Proposal`; engine.py verifies it with one target forward and commits. Where the
 drafter must run, the step first collects what every sequence asks of it (`DraftWanted`) and runs
 one draft forward for all (`draft_blocks`).
@@ -105,11 +106,13 @@ class Proposers:
                 return None
             return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
         tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens
-        if tokens and policy is not None and self.chain is not None:
-            # the alternative is the drafter's block, not a plain step: verify the lookup only if
-            # it is expected to yield as many tokens per second (while either is unmeasured, try it)
-            mine, theirs = policy.rate(1 + len(tokens)), self.chain.best_rate()
-            if mine is not None and theirs is not None and (mine < theirs or self.chain.probe_due()):
+        drafter = self.chain if self.chain is not None else self.tree
+        if tokens and policy is not None and drafter is not None:
+            # the alternative is the drafter's block or tree, not a plain step: verify the lookup
+            # only if it is expected to yield as many tokens per second (while either is
+            # unmeasured, try it)
+            mine, theirs = policy.rate(1 + len(tokens)), drafter.best_rate()
+            if mine is not None and theirs is not None and (mine < theirs or drafter.probe_due()):
                 return None  # the drafter's turn (now and then as a probe, though the lookup looks better)
         if not tokens:  # its policy expects no lookup token to pay: the drafter's turn
             return None
