@@ -12,10 +12,11 @@ runs plain steps it still probes the full block now and then: after `probe_every
 an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
 resets when a probe is accepted; the steps on which prompt lookup displaced the drafter
 (propose.py) count as plain steps there, so a cost or acceptance measured badly once is measured
-again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each, under `probe_budget` of the plain steps' time: a drafter that
-never helps then costs at most that. The engine keeps one policy across requests (the drafter's
-acceptance and the machine's costs do not change between them), so only its first request pays
-for learning them; counts are halved past `memory` observations so that it keeps adapting.
+again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each,
+under `probe_budget` of the plain steps' time: a drafter that never helps then costs at most that.
+The engine keeps one policy across requests (the drafter's acceptance and the machine's costs do
+not change between them), so only its first request pays for learning them; counts are halved
+past `memory` observations so that it keeps adapting.
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ class AdaptiveBlockPolicy:
     def probe_due(self) -> bool:
         """Count a step on which this policy's blocks did not run (a plain step, or another
         proposer's); True when the next should run them again, as a probe (see the module doc)."""
-        self.steps_since_probe += 1
+        self.steps_since_probe += 1  # (called once both ends' costs are known)
         c1, cmax = self.step_cost(1), self.step_cost(self.max_block)
-        extra = 0.0 if c1 is None or cmax is None else max(0.0, cmax - c1)
-        floor = math.ceil(extra / (self.probe_budget * c1)) if c1 else 0
+        extra = max(0.0, cmax - c1)
+        floor = math.ceil(extra / (self.probe_budget * c1)) if c1 > 0 else 0
         if self.steps_since_probe < max(self.interval, floor):
             return False
         self.steps_since_probe = 0
@@ -151,9 +152,6 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
 
     def expected_tokens(self, block: int) -> float:
         return self.expected[block - 1]
-
-    def best_rate(self) -> float | None:
-        return super().best_rate() if self.expected else None  # None until a tree was planned
 
     def learn(self, block: int, accepted: int) -> None:
         pass  # acceptance is learned by the tree's rates
