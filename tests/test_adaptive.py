@@ -38,13 +38,38 @@ def test_unmeasured_blocks_cost_the_line_between_their_nearest_measured_neighbou
     assert policy.step_cost(4) is None
     for block, seconds in ((1, 1.0), (16, 2.5), (2, 1.9), (8, 1.6)):
         policy.update(block, 0, seconds)
-    assert policy.step_cost(2) == 1.9 and policy.step_cost(8) == 1.6
+    assert policy.step_cost(2) == pytest.approx(1.0 + (1.6 - 1.0) / 7)  # one measure: at most the line
+    for block, seconds in ((2, 1.9), (2, 1.9), (8, 1.6), (8, 1.6)):
+        policy.update(block, 0, seconds)
+    assert policy.step_cost(2) == 1.9 and policy.step_cost(8) == pytest.approx(1.6)  # three: its own cost
     assert policy.step_cost(5) == pytest.approx(1.9 + (1.6 - 1.9) * 3 / 6)  # between 2 and 8, not 1 and 16
     assert policy.step_cost(12) == pytest.approx(1.6 + (2.5 - 1.6) * 4 / 8)
     # a block whose measured cost dips (t(8) < t(2) here) is chosen where it pays
     policy.passed[1:] = [0.9 * 100] * 15
     policy.tried[1:] = [100] * 15
     assert policy.choose() not in (2, 3)
+
+
+def test_a_block_measured_slow_once_is_tried_again():
+    """Block 2 pays (its one draft is always accepted, and it costs little more than a plain
+    step), but its first step was slow (a kernel's first call at two rows): it must be measured
+    again and then chosen, not written off for the rest of the engine's life."""
+    first = {2: True}
+
+    def cost(b):
+        if b == 2 and first.pop(2, False):
+            return 5.0
+        return {1: 1.0, 2: 1.15}.get(b, 2.0)
+
+    policy = AdaptiveBlockPolicy(16)
+    policy.passed[1], policy.tried[1] = 200.0, 200  # draft 1 is accepted, draft 2 never
+    policy.tried[2] = 200
+    chosen = []
+    for _ in range(40):
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, min(1, b - 1), cost(b))
+    assert chosen.count(2) >= 30 and chosen[-10:] == [2] * 10
 
 
 def test_poor_acceptance_chooses_plain_decoding():

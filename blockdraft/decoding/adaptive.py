@@ -6,7 +6,9 @@ changes speed only. Model:
   expected tokens of a block b:  E(b) = 1 + sum_{k=1}^{b-1} prod_{j<=k} alpha_j
   where alpha_j = P(draft j accepted | drafts 1..j-1 accepted), counted per position with a prior;
   cost of a step with block b:   c(b), measured online (EMA) for the blocks actually run, and
-  interpolated linearly between the nearest measured blocks for the others (until chosen).
+  interpolated linearly between the nearest measured blocks for the others (until chosen); a
+  block measured fewer than TRUSTED times costs at most that line, so one slow first step does
+  not write it off.
 The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptance, so while it
 runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
 an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+TRUSTED = 3  # measures of a block after which its cost stands alone (before: at most its neighbours' line)
 
 
 @dataclass
@@ -63,16 +67,22 @@ class AdaptiveBlockPolicy:
     def step_cost(self, block: int) -> float | None:
         """The measured cost of this block, else a straight line between the nearest measured
         blocks on either side (a forward's cost is not smooth in its tokens on a CPU: t(2) may
-        cost what t(8) does, so each block is measured once it is ever chosen)."""
+        cost what t(8) does, so each block is measured once it is ever chosen). Until a block has
+        `TRUSTED` measures its cost is at most that line: one slow first step (a kernel's first
+        call at a new row count, another process) must not keep a block from being tried again,
+        while the blocks run often have long since settled to their true cost."""
         known = {**self.prior_cost, **self.cost}  # a measure overrides an expectation
-        if block in known:
-            return known[block]
         below = max((b for b in known if b < block), default=None)
         above = min((b for b in known if b > block), default=None)
-        if below is None or above is None:
-            return None
-        lo, hi = known[below], known[above]
-        return lo + (hi - lo) * (block - below) / (above - below)
+        line = None
+        if below is not None and above is not None:
+            lo, hi = known[below], known[above]
+            line = lo + (hi - lo) * (block - below) / (above - below)
+        if block not in known:
+            return line
+        if line is not None and block in self.cost and self.measures.get(block, 0) < TRUSTED:
+            return min(known[block], line)
+        return known[block]
 
     def rate(self, block: int) -> float | None:
         """Expected tokens per second of a step with this block; None until its cost is known."""
