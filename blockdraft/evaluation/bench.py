@@ -15,21 +15,23 @@ the block of one engine method (`oracle@0.9:16`, `dflash:8`) while the others ke
 Speedups are ratios of end-to-end tokens/s (prefill included) measured in this run;
 `decode_tok_s` excludes prefill where it is known (our engine), and `decode_speedup_vs_ar`, their
 ratio, is what the cost model's ceiling bounds (decode steps only, at tokens per step over all
-steps). transformers reports no acceptance, so its methods have no tau (plain `hf`: 1).
+steps). transformers reports no acceptance, so its methods have no tau (plain `hf`: 1). With a journal
+(journal.py) each prompt's figures are on disk as soon as it ends, and a killed run resumes.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, GenerationStats, add_counts
+from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
 from ..models.kernels import use_packed
 from ..decoding.oracle import OracleDraft
+from .results import MethodResult
 from ..decoding.verify import SamplingParams
 
 METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle", "vllm", "vllm-dflash")  # vllm: peer_vllm.py
@@ -100,51 +102,6 @@ def check_methods(methods) -> tuple[str, ...]:
     if not methods or len(set(methods)) != len(methods):
         raise BlockdraftError(f"give each method once (got {list(methods)})")
     return tuple(methods)
-
-
-@dataclass
-class MethodResult:
-    tokens: int = 0
-    seconds: float = 0.0  # end to end, prefill included
-    decode_seconds: float = 0.0  # after the first token (our engine only)
-    decode_tokens: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)
-    taus: list[float] = field(default_factory=list)  # per request
-    lookup_steps: int = 0
-    drafted: int = 0  # tokens verified besides the anchors (a tree's nodes)
-    accepted: int = 0
-    tree_sizes: list[int] = field(default_factory=list)
-    tree_nodes_by_depth: list[int] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-    step_seconds: dict[str, float] = field(default_factory=dict)  # our engine: decode time by phase
-
-    def step_ms(self) -> dict | None:
-        """Milliseconds per decode step by phase (StepSeconds), our engine only."""
-        steps = len(self.acceptance_lengths)
-        if not steps or not self.step_seconds:
-            return None
-        return {k: round(1e3 * v / steps, 2) for k, v in self.step_seconds.items()}
-
-    def summary(self, block_size: int) -> dict:
-        hist = GenerationStats(acceptance_lengths=self.acceptance_lengths).histogram(block_size)
-        return {
-            "tokens": self.tokens, "seconds": round(self.seconds, 3),
-            "tok_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-            "decode_tok_s": round(self.decode_tokens / self.decode_seconds, 2) if self.decode_seconds else None,
-            "tau": round(sum(self.taus) / len(self.taus), 3) if self.taus else None,
-            "acceptance_histogram": hist,
-            **({"lookup_steps": self.lookup_steps} if self.lookup_steps else {}),
-            **({"accepted_per_verified": round(self.accepted / self.drafted, 3)} if self.drafted else {}),
-            **({"trees": self.tree_summary()} if self.tree_sizes else {}),
-            **({"step_ms": self.step_ms()} if self.step_ms() else {}),
-        }
-
-    def tree_summary(self) -> dict:
-        """The trees actually verified: how many steps, their mean size, nodes per depth on average."""
-        n = len(self.tree_sizes)
-        return {"steps": n, "of_steps": len(self.acceptance_lengths),
-                "mean_nodes": round(sum(self.tree_sizes) / n, 2),
-                "nodes_by_depth": [round(c / n, 2) for c in self.tree_nodes_by_depth]}
 
 
 def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
@@ -243,13 +200,16 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
               references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True,
-              packed: bool = True, peer=None) -> dict:
+              packed: bool = True, peer=None, journal=None, journal_tags: dict | None = None) -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
     prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
     `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
     "before" of the fast forward; hf methods always run those. `peer`: a started
-    peer_vllm.VllmPeer for the vllm methods."""
+    peer_vllm.VllmPeer for the vllm methods. `journal`: a file where each prompt's figures are
+    appended as it ends; the prompts it already holds (from an interrupted run of the same
+    configuration) are not run again (journal.py). `journal_tags`: what else names the
+    configuration there (the target and drafter the caller loaded, the dataset)."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -279,6 +239,14 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                for m in methods if specs[m].name in ("dflash", "ar")}
     plain = engines.get("ar") or Engine(target)
 
+    if journal is not None:
+        from .journal import Journal, prompts_digest
+
+        journal = Journal.open(journal, {
+            "prompts": prompts_digest(prompts), "methods": list(methods), "max_new_tokens": max_new_tokens,
+            "block_size": block_size, "temperature": temperature, "oracle_keep": oracle_keep, "packed": packed,
+            "cost_repeats": cost_repeats, "device": str(target.device), "dtype": str(target.dtype),
+            "draft_dtype": str(draft.dtype) if draft is not None else None, **(journal_tags or {})})
     truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
     def run(method, ids, res):
@@ -305,7 +273,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             return _run_engine(Engine(target, oracle, **draft_setup), ids, cfgs[method], res)
         return _run_engine(engines[method], ids, cfgs[method], res)
 
-    for ids in prompts[:warmup]:  # warm-up: allocator, kernels, caches; not measured
+    done = set(journal.done) if journal is not None else set()
+    for ids in prompts[:warmup] if len(done) < len(prompts) else []:  # warm-up: allocator, kernels, caches
         for m in methods:
             run(m, ids, MethodResult())
     b = block_size or (draft.block_size if draft is not None else 1)
@@ -317,15 +286,28 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     results = {m: MethodResult() for m in methods}
     samples = []  # cost-model measurements, one per prompt, taken between its methods' runs
     for i, ids in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
+        if i in done:  # figures of an interrupted run, from its journal
+            for m, r in journal.results(i).items():
+                results[m].add(r)
+            if journal.cost_sample(i):
+                samples.append(journal.cost_sample(i))
+            continue
+        mine = {m: MethodResult() for m in methods}  # this prompt's figures, journaled alone
         order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first
         for m in order:
-            out = run(m, ids, results[m])
-            results[m].outputs.append(out)
+            out = run(m, ids, mine[m])
+            mine[m].outputs.append(out)
+        sample = None
         if ceilings:  # measured under the run's own conditions (a one-off measurement drifts with
             # the machine's state), at a context halfway through this prompt's generation
             with use_packed(packed):
-                samples.append(measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()),
-                                             cost_repeats, max(verified.values())))
+                sample = measure_costs(target, draft, ids + out[: len(out) // 2], max(blocks.values()),
+                                       cost_repeats, max(verified.values()))
+            samples.append(sample)
+        for m in methods:
+            results[m].add(mine[m])
+        if journal is not None:
+            journal.record(i, mine, sample)
     step_profile = None
     if profile:  # at the first prompt's context halfway through its generation, as the cost model
         from ..models.profile import BLOCKS, profile_step
@@ -369,6 +351,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
                                             "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
             "step_profile_ms": step_profile, "packed_kernels": packed,
+            **({"resumed_prompts": len(done)} if done else {}),
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 
