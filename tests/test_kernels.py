@@ -53,8 +53,13 @@ def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch):
         for m in (3, 5, 16):
             assert torch.equal(layer(x[:m]), packed[:m])
     monkeypatch.delitem(kernels.SMALL_ROWS, key)
+    swept = set()  # the weights the measurement multiplies by: streamed, not one kept in the cache
+    linear = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda x, w, *a: swept.add(w.data_ptr()) or linear(x, w, *a))
+    monkeypatch.setattr(kernels, "STREAM_BYTES", 40 * 96 * 300 * 4)
     rows = kernels.small_rows(layer.weight, layer.forward.packed)  # measured here, then cached
     assert 1 <= rows <= kernels.SMALL_ROWS_TRIED + 1 and kernels.SMALL_ROWS[key] == rows
+    assert len(swept) == 40 and layer.weight.data_ptr() in swept
 
 
 @needs_packing

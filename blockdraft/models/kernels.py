@@ -13,7 +13,8 @@ which the default kernel is not (one row and three rows round differently).
 On some CPUs the default kernel is the faster one at one or two rows (on an AVX-512 Xeon: a
 576 x 1536 layer takes 30 us at one row against 47 us packed, while at 16 rows packed takes 106 us
 against 149). So each weight shape measures once per process, at its first call, which kernel is
-faster at 1 to 8 rows (`small_rows`), and calls below the first count where the default is not
+faster at 1 to 8 rows (`small_rows`, over weights streamed from memory as in a forward, not one
+weight kept in the cache), and calls below the first count where the default is not
 10% faster run the default kernel: plain decoding then computes exactly what transformers
 computes, and larger verify forwards run packed. Either way a block's rows round differently from one-token rows, by ~1e-7,
 as attention's do; greedy output is checked against plain decoding on real prompts.
@@ -108,32 +109,82 @@ class _PackedForward:
 
 def small_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     """Rows below which the default kernel runs for weights of this shape: measured once per
-    process (both kernels at 1..SMALL_ROWS_TRIED rows, median of 15 calls each); the default
-    kernel keeps a row count only where it is at least 10% faster, and only from one row up."""
+    process (both kernels at 1..SMALL_ROWS_TRIED rows, median of 5 sweeps each); the default
+    kernel keeps a row count only where it is at least 10% faster, and only from one row up.
+
+    Each sweep runs the kernel over enough distinct weights of this shape to overflow the CPU's
+    last-level cache (`STREAM_BYTES`), as a forward does: a model's weights (SmolLM2's body is
+    424 MB) stream from memory, while one weight called again and again stays in the cache, where
+    the default kernel looked faster at one row than it is in a forward (on a 2-core EPYC with a
+    32 MB L3, 576 x 576 at one row: 43 us in the cache against 63 packed, 107 streamed against 85;
+    `python -m blockdraft.models.kernels`)."""
     key = (weight.shape[1], weight.shape[0], weight.dtype, torch.get_num_threads())
     if key not in SMALL_ROWS:
-        import time
-
-        def median_s(fn) -> float:
-            fn()
-            times = []
-            for _ in range(15):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return sorted(times)[7]
-
-        keep = 0
         with torch.inference_mode():
-            for rows in range(1, SMALL_ROWS_TRIED + 1):
-                x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-                plain = median_s(lambda: torch.nn.functional.linear(x, weight))
-                onednn = median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-                if plain > 0.9 * onednn:
-                    break
-                keep = rows
-        SMALL_ROWS[key] = keep + 1
+            SMALL_ROWS[key] = _measure_small_rows(*_streamed(weight, packed))  # packed: None packs it here
     return SMALL_ROWS[key]
+
+
+STREAM_BYTES = 96 << 20  # weights each kernel sweeps while measured: beyond any last-level cache we run on
+STREAM_COPIES = 256  # at most this many weights (tiny layers reach STREAM_BYTES no other way)
+
+
+def _streamed(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[list, list]:
+    """`weight` and its packed copy, with random weights of its shape (and their packed copies)
+    beside it up to STREAM_BYTES: alone when it is that large by itself (an LM head), since then
+    it cannot stay in a cache, and copies of it would only take memory."""
+    weight = weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT) if packed is None else packed
+    copies = min(STREAM_COPIES, -(-STREAM_BYTES // (weight.numel() * weight.element_size())))
+    others = [torch.randn_like(weight) for _ in range(copies - 1)]
+    return [weight, *others], [packed, *(torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT) for w in others)]
+
+
+def _per_call(sweep, calls: int) -> float:
+    """Seconds a call: the median of 5 timed `sweep`s (after one untimed) of `calls` calls each."""
+    import time
+
+    sweep()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sweep()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[2] / calls
+
+
+def _default(x, w):
+    return torch.nn.functional.linear(x, w)
+
+
+def _onednn(x, packed):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _measure_small_rows(weights: list, packs: list) -> int:
+    keep = 0
+    for rows in range(1, SMALL_ROWS_TRIED + 1):
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        plain = _per_call(lambda: [_default(x, w) for w in weights], len(weights))
+        onednn = _per_call(lambda: [_onednn(x, p) for p in packs], len(packs))
+        if plain > 0.9 * onednn:
+            break
+        keep = rows
+    return keep + 1
+
+
+def kernel_timings(weight: torch.Tensor, rows: int) -> dict:
+    """Microseconds a call of each kernel at `rows` rows, with one weight kept in the cache and with
+    weights streamed from memory (what `small_rows` measures): the figures its docstring quotes."""
+    weights, packs = _streamed(weight, None)
+    n = len(weights)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    us = lambda sweep: round(1e6 * _per_call(sweep, n), 1)  # noqa: E731
+    with torch.inference_mode():
+        return {"cached_default": us(lambda: [_default(x, weights[0]) for _ in range(n)]),
+                "cached_packed": us(lambda: [_onednn(x, packs[0]) for _ in range(n)]),
+                "streamed_default": us(lambda: [_default(x, w) for w in weights]),
+                "streamed_packed": us(lambda: [_onednn(x, p) for p in packs])}
 
 
 def prepack(module: nn.Module) -> int:
@@ -263,8 +314,11 @@ def _main() -> None:  # python -m blockdraft.models.kernels: the timings quoted 
                   f"packed {ms(lambda: packed.forward._packed(x)):6.2f} ms")
         for n_in, n_out in ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)):
             w = torch.randn(n_out, n_in)
-            rows = small_rows(w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT))
-            print(f"{n_in} x {n_out}: the default kernel below {rows} rows, packed from {rows}")
+            t = kernel_timings(w, 1)
+            rows = small_rows(w, None)
+            print(f"{n_in} x {n_out}, 1 row: default {t['cached_default']} us, packed {t['cached_packed']} us in the "
+                  f"cache; streamed default {t['streamed_default']} us, packed {t['streamed_packed']} us; "
+                  f"the default kernel below {rows} rows, packed from {rows}")
 
 
 if __name__ == "__main__":
