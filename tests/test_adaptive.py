@@ -72,6 +72,26 @@ def test_a_block_measured_slow_once_is_tried_again():
     assert chosen.count(2) >= 30 and chosen[-10:] == [2] * 10
 
 
+@pytest.mark.parametrize("recheck", [True, False])
+def test_costs_measured_in_a_slow_phase_are_measured_again(recheck):
+    """Blocks of 3 or more tokens cost 3x for the first 40 steps (first calls at new row counts, a
+    busy machine), then their true cost. Three drafts are always accepted, so block 4 pays best
+    (4 tokens for 1.84 against 2 for 1.68): the policy must find it once the slow phase is over,
+    where without re-measures it stayed on the block the slow phase left it (tested as the
+    control: `recheck=False`)."""
+    policy = AdaptiveBlockPolicy(16, recheck_every=32 if recheck else 10**9)
+    chosen = []
+    for step in range(400):
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, min(3, b - 1), cpu_like(b) * (3.0 if step < 40 and b >= 3 else 1.0))
+    tail = chosen[-100:]
+    if recheck:
+        assert tail.count(4) >= 90  # the rest: a re-measure of a stale block every 32 steps at most
+    else:
+        assert tail.count(4) < 50
+
+
 def test_poor_acceptance_chooses_plain_decoding():
     tail = simulate(0, cpu_like)
     assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe

@@ -16,6 +16,12 @@ resets when a probe is accepted; the steps on which prompt lookup displaced the 
 (propose.py) count as plain steps there, so a cost or acceptance measured badly once is measured
 again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each,
 under `probe_budget` of the plain steps' time: a drafter that never helps then costs at most that.
+While the drafter runs, a block's cost is measured again where it is stale and may pay: every `recheck_every` steps, the
+block with the best rate among those whose cost was not measured for `stale_after` steps and that
+would beat the chosen one by `recheck_gain` at `optimism` of their cost (but no less than the
+chosen one's for a longer block, a plain step's for a shorter one) runs once (a machine whose speed drifts, or early
+steps slowed by first calls, leave costs measured in another state; without this, a block written
+off once was never run again, and the line between measured blocks wrote off its neighbours).
 The engine keeps one policy across requests (the drafter's acceptance and the machine's costs do
 not change between them), so only its first request pays for learning them; counts are halved
 past `memory` observations so that it keeps adapting.
@@ -47,6 +53,13 @@ class AdaptiveBlockPolicy:
     steps_since_probe: int = 0
     interval: int = 0  # current probe interval (starts at probe_every)
     probing: bool = False
+    recheck_every: int = 32  # steps between re-measures of stale costs (at most one each time)
+    stale_after: int = 128  # steps after which a block's cost measure is stale
+    optimism: float = 0.5  # a stale measure may be this far above the truth (but not below the best's cost)
+    recheck_gain: float = 1.05  # ... and a re-measure must hope for this much more than the best block's rate
+    steps: int = 0  # choices made
+    measured_at: dict[int, int] = field(default_factory=dict)  # block -> the step of its last measure
+    last_recheck: int = 0
 
     def __post_init__(self):
         self.tried = [0] * self.max_block
@@ -102,10 +115,28 @@ class AdaptiveBlockPolicy:
                 return end
         if self.probing:  # a probe was due where another proposer displaced this one (probe_due)
             return self.max_block
+        self.steps += 1
         best = max(range(1, self.max_block + 1), key=self.rate)
         if best == 1 and self.probe_due():
             return self.max_block
-        return best
+        return self.stale_block(best) or best
+
+    def stale_block(self, best: int) -> int | None:
+        """A block to measure again instead of `best` (see the module doc), or None. Only while the
+        drafter runs (best > 1): while plain steps are best, the probes measure it again."""
+        if best == 1 or self.steps - self.last_recheck < self.recheck_every:
+            return None
+        top, bar = None, self.recheck_gain * self.rate(best)
+        for b in range(2, self.max_block + 1):
+            if b == best or self.steps - self.measured_at.get(b, -self.stale_after) < self.stale_after:
+                continue
+            floor = self.step_cost(best if b > best else 1)  # a longer block never costs less than a shorter
+            hoped = self.expected_tokens(b) / max(floor, self.optimism * self.step_cost(b))
+            if hoped > bar:
+                top, bar = b, hoped
+        if top is not None:
+            self.last_recheck = self.steps
+        return top
 
     def probe_due(self) -> bool:
         """Count a step on which this policy's blocks did not run (a plain step, or another
@@ -141,6 +172,7 @@ class AdaptiveBlockPolicy:
             self.interval = self.probe_every if accepted else min(2 * self.interval, self.max_probe_every)
         old = self.cost.get(block)
         self.measures[block] = self.measures.get(block, 0) + 1
+        self.measured_at[block] = self.steps
         # A step never runs faster than the machine allows, but often slower (a kernel's first
         # call measuring itself, a page fault, another process): a lower measure replaces the
         # estimate at once, a higher one moves it by the EMA. One slow step then does not keep

@@ -109,7 +109,7 @@ class _PackedForward:
 
 def small_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     """Rows below which the default kernel runs for weights of this shape: measured once per
-    process (both kernels at 1..SMALL_ROWS_TRIED rows, median of 5 sweeps each); the default
+    process (both kernels at 1..SMALL_ROWS_TRIED rows, median of 3 sweeps each); the default
     kernel keeps a row count only where it is at least 10% faster, and only from one row up.
 
     Each sweep runs the kernel over enough distinct weights of this shape to overflow the CPU's
@@ -125,7 +125,7 @@ def small_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
     return SMALL_ROWS[key]
 
 
-STREAM_BYTES = 96 << 20  # weights each kernel sweeps while measured: beyond any last-level cache we run on
+STREAM_BYTES = 64 << 20  # weights each kernel sweeps while measured: twice the L3 of the CPUs we measured on
 STREAM_COPIES = 256  # at most this many weights (tiny layers reach STREAM_BYTES no other way)
 
 
@@ -136,21 +136,21 @@ def _streamed(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[list, 
     weight = weight.detach()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT) if packed is None else packed
     copies = min(STREAM_COPIES, -(-STREAM_BYTES // (weight.numel() * weight.element_size())))
-    others = [torch.randn_like(weight) for _ in range(copies - 1)]
+    others = [torch.full_like(weight, 0.01) for _ in range(copies - 1)]  # written, so really in memory
     return [weight, *others], [packed, *(torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT) for w in others)]
 
 
 def _per_call(sweep, calls: int) -> float:
-    """Seconds a call: the median of 5 timed `sweep`s (after one untimed) of `calls` calls each."""
+    """Seconds a call: the median of 3 timed `sweep`s (after one untimed) of `calls` calls each."""
     import time
 
     sweep()
     times = []
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         sweep()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[2] / calls
+    return sorted(times)[1] / calls
 
 
 def _default(x, w):
