@@ -1,0 +1,67 @@
+"""The target forward's cost by number of tokens, as the engine runs it (SmolLM2 through the slot
+cache at a 256-token context, median of 15, the lowest of three such runs, the two choices alternating), with the few-row kernel choice measured over weights
+streamed from memory (as shipped) and as it was measured before, on one weight kept in the cache
+(docs/step-cost.md).
+
+    python scripts/forward_cost.py [--tokens 1,2,4,8,16]
+"""
+
+import argparse
+
+import torch
+
+from blockdraft.decoding.slots import RowBlock, SlotCache
+from blockdraft.models import kernels
+from blockdraft.models.profile import timed
+from blockdraft.models.target import load_target
+
+
+def forward_ms(target, tokens: list[int]) -> dict[int, float]:
+    ctx = list(range(100, 356))
+    with torch.inference_mode():
+        cache = target.new_cache()
+        target.forward(torch.tensor([ctx]), cache, None, logits_at=1)
+        slots = SlotCache()
+        slots.join(cache)
+
+        def step(b):
+            slots.forward(target, [RowBlock(list(range(b)))], None)
+            slots.keep([[]])  # back to the context
+
+        for b in tokens:
+            step(b)  # first calls at this row count
+        return {b: round(1e3 * timed(lambda b=b: step(b), target.device, 15), 1) for b in tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="1,2,4,8,16")
+    tokens = [int(t) for t in parser.parse_args().tokens.split(",")]
+    target = load_target("smollm2-135m")
+    shapes = {(m.in_features, m.out_features) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    streamed = forward_ms(target, tokens)
+    chosen = dict(kernels.SMALL_ROWS)
+    with torch.inference_mode():  # the old measure: one weight of each shape, called again and again
+        for n_in, n_out in shapes:
+            w = torch.randn(n_out, n_in)
+            key = (n_in, n_out, w.dtype, torch.get_num_threads())
+            kernels.SMALL_ROWS[key] = kernels._measure_small_rows(
+                [w], [torch.ops.mkldnn._reorder_linear_weight(w, kernels.PACK_HINT)])
+    cached = dict(kernels.SMALL_ROWS)
+    in_cache = forward_ms(target, tokens)
+    for _ in range(2):  # alternate, twice more, and keep each one's lowest: the machine's speed drifts
+        for choice, best in ((chosen, streamed), (cached, in_cache)):
+            kernels.SMALL_ROWS.clear()
+            kernels.SMALL_ROWS.update(choice)
+            for b, ms in forward_ms(target, tokens).items():
+                best[b] = min(best[b], ms)
+    for key in sorted(chosen):
+        print(f"{key[0]} x {key[1]}: default kernel below {cached[key]} rows (measured in the cache), "
+              f"below {chosen[key]} (streamed)")
+    print("tokens          " + "".join(f"{b:>8}" for b in tokens))
+    print("in the cache    " + "".join(f"{in_cache[b]:8.1f}" for b in tokens))
+    print("streamed        " + "".join(f"{streamed[b]:8.1f}" for b in tokens))
+
+
+if __name__ == "__main__":
+    main()
