@@ -1,9 +1,10 @@
 """The target forward's cost by number of tokens, as the engine runs it (SmolLM2 through the slot
-cache at a 256-token context, median of 15, the lowest of three such runs, the two choices alternating), with the few-row kernel choice measured over weights
-streamed from memory (as shipped) and as it was measured before, on one weight kept in the cache
-(docs/step-cost.md).
+cache at a 256-token context; a median of 15, the lowest of three such runs, the two choices
+alternating), with the few-row kernel choice measured over weights streamed from memory (as
+shipped) and as it was measured before, on one weight kept in the cache (docs/step-cost.md).
 
     python scripts/forward_cost.py [--tokens 1,2,4,8,16]
+    python scripts/forward_cost.py --linear   # the body's linear layers alone, by kernel and rows
 """
 
 import argparse
@@ -33,10 +34,36 @@ def forward_ms(target, tokens: list[int]) -> dict[int, float]:
         return {b: round(1e3 * timed(lambda b=b: step(b), target.device, 15), 1) for b in tokens}
 
 
+def linear_ms(tokens: list[int]) -> None:
+    """SmolLM2's 30 layers of linear weights (random, same shapes) at each row count: the default
+    kernel and oneDNN's packed one, and a large GEMM for the cores' arithmetic peak."""
+    def best(fn) -> float:
+        fn()
+        return min(timed(fn, torch.device("cpu"), 1) for _ in range(5))
+
+    shapes = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+    weights = [torch.randn(o, i) for _ in range(30) for o, i in shapes]
+    packs = [torch.ops.mkldnn._reorder_linear_weight(w, kernels.PACK_HINT) for w in weights]
+    flops = 2 * sum(w.numel() for w in weights)
+    a = torch.randn(2048, 2048)
+    print(f"a 2048^3 GEMM: {2 * 2048 ** 3 / best(lambda: a @ a) / 1e9:.0f} GFLOPS")
+    with torch.inference_mode():
+        for rows in tokens:
+            x = {n: torch.randn(rows, n) for n in (576, 1536)}
+            default = best(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
+            packed = best(lambda: [kernels._onednn(x[w.shape[1]], p) for w, p in zip(weights, packs)])
+            print(f"{rows:2d} rows: default {1e3 * default:5.1f} ms, packed {1e3 * packed:5.1f} ms "
+                  f"({flops * rows / packed / 1e9:.0f} GFLOPS)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,2,4,8,16")
-    tokens = [int(t) for t in parser.parse_args().tokens.split(",")]
+    parser.add_argument("--linear", action="store_true")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.linear:
+        return linear_ms(tokens)
     target = load_target("smollm2-135m")
     shapes = {(m.in_features, m.out_features) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
     streamed = forward_ms(target, tokens)

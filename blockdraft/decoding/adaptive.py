@@ -16,12 +16,13 @@ resets when a probe is accepted; the steps on which prompt lookup displaced the 
 (propose.py) count as plain steps there, so a cost or acceptance measured badly once is measured
 again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each,
 under `probe_budget` of the plain steps' time: a drafter that never helps then costs at most that.
-While the drafter runs, a block's cost is measured again where it is stale and may pay: every `recheck_every` steps, the
-block with the best rate among those whose cost was not measured for `stale_after` steps and that
-would beat the chosen one by `recheck_gain` at `optimism` of their cost (but no less than the
-chosen one's for a longer block, a plain step's for a shorter one) runs once (a machine whose speed drifts, or early
-steps slowed by first calls, leave costs measured in another state; without this, a block written
-off once was never run again, and the line between measured blocks wrote off its neighbours).
+While the drafter runs, a block's cost is measured again where it is stale and may pay: every
+`recheck_every` steps, the block with the best rate among those whose cost was not measured for
+`stale_after` steps and that would beat the chosen one by `recheck_gain` at `optimism` of their
+cost (but no less than the chosen one's for a longer block, a plain step's for a shorter one)
+runs once. A machine whose speed drifts, or early steps slowed by first calls, leave costs
+measured in another state; without this, a block written off once was never run again, and the
+line between measured blocks wrote off its neighbours.
 The engine keeps one policy across requests (the drafter's acceptance and the machine's costs do
 not change between them), so only its first request pays for learning them; counts are halved
 past `memory` observations so that it keeps adapting.

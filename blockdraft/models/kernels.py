@@ -14,10 +14,11 @@ On some CPUs the default kernel is the faster one at one or two rows (on an AVX-
 576 x 1536 layer takes 30 us at one row against 47 us packed, while at 16 rows packed takes 106 us
 against 149). So each weight shape measures once per process, at its first call, which kernel is
 faster at 1 to 8 rows (`small_rows`, over weights streamed from memory as in a forward, not one
-weight kept in the cache), and calls below the first count where the default is not
-10% faster run the default kernel: plain decoding then computes exactly what transformers
-computes, and larger verify forwards run packed. Either way a block's rows round differently from one-token rows, by ~1e-7,
-as attention's do; greedy output is checked against plain decoding on real prompts.
+weight kept in the cache, where the default kernel looks faster than it is), and calls below the
+first count where the default is not 10% faster run the default kernel: plain decoding then
+computes exactly what transformers computes, and larger verify forwards run packed. Either way a
+block's rows round differently from one-token rows, by ~1e-7, as attention's do; greedy output is
+checked against plain decoding on real prompts.
 
 `prepack(module)` swaps the forward of every `nn.Linear` under `module` for the packed one,
 in place, without touching the model's source. Where packing does not apply (CUDA, fp16, a
