@@ -289,8 +289,9 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         if i in done:  # figures of an interrupted run, from its journal
             for m, r in journal.results(i).items():
                 results[m].add(r)
-            if journal.cost_sample(i):
-                samples.append(journal.cost_sample(i))
+            sample = journal.cost_sample(i)
+            if sample:
+                samples.append(sample)
             continue
         mine = {m: MethodResult() for m in methods}  # this prompt's figures, journaled alone
         order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate who goes first

@@ -159,7 +159,7 @@ def wait_until_quiet(pid: int, window_s: float = 0.05, busy_s: float = 0.005, li
 
 
 def run_peer(peer: VllmPeer, method: str, ids: list[int], max_new_tokens: int, res) -> list[int]:
-    """One prompt through vLLM, added to `res` (bench.MethodResult) as our engine's runs are:
+    """One prompt through vLLM, added to `res` (results.MethodResult) as our engine's runs are:
     tau = tokens per target step, drafts verified and accepted for accepted_per_verified."""
     out = peer.generate(method, ids, max_new_tokens)
     n = len(out["token_ids"])
