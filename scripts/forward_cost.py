@@ -1,10 +1,10 @@
 """The target forward's cost by number of tokens, as the engine runs it (SmolLM2 through the slot
-cache at a 256-token context; a median of 15, the lowest of three such runs, the two choices
-alternating), with the few-row kernel choice measured over weights streamed from memory (as
-shipped) and as it was measured before, on one weight kept in the cache (docs/step-cost.md).
+cache at a 256-token context; a median of 15, the lowest of three such runs, the choices
+alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (docs/step-cost.md).
 
     python scripts/forward_cost.py [--tokens 1,2,4,8,16]
-    python scripts/forward_cost.py --linear   # the body's linear layers alone, by kernel and rows
+    python scripts/forward_cost.py --linear       # the body's linear layers alone, by kernel and rows
+    python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
 """
 
 import argparse
@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
-from blockdraft.models import kernels
+from blockdraft.models import few_rows, kernels
 from blockdraft.models.profile import timed
 from blockdraft.models.target import load_target
 
@@ -36,7 +36,8 @@ def forward_ms(target, tokens: list[int]) -> dict[int, float]:
 
 def linear_ms(tokens: list[int]) -> None:
     """SmolLM2's 30 layers of linear weights (random, same shapes) at each row count: the default
-    kernel and oneDNN's packed one, and a large GEMM for the cores' arithmetic peak."""
+    kernel, oneDNN's packed one and the few-row kernel (few_rows.py, where it runs), and a large
+    GEMM for the cores' arithmetic peak."""
     def best(fn) -> float:
         fn()
         return min(timed(fn, torch.device("cpu"), 1) for _ in range(5))
@@ -44,27 +45,55 @@ def linear_ms(tokens: list[int]) -> None:
     shapes = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
     weights = [torch.randn(o, i) for _ in range(30) for o, i in shapes]
     packs = [torch.ops.mkldnn._reorder_linear_weight(w, kernels.PACK_HINT) for w in weights]
+    panels = [few_rows.pack(w) for w in weights] if few_rows.available() else None
     flops = 2 * sum(w.numel() for w in weights)
     a = torch.randn(2048, 2048)
     print(f"a 2048^3 GEMM: {2 * 2048 ** 3 / best(lambda: a @ a) / 1e9:.0f} GFLOPS")
+    big = torch.ones(1 << 28)  # 1 GiB: the memory's read speed, what one row's weights stream at best
+    print(f"a sum over 1 GiB: {big.numel() * 4 / best(big.sum) / 1e9:.1f} GB/s; the body's linear weights: "
+          f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
+    del big
     with torch.inference_mode():
         for rows in tokens:
             x = {n: torch.randn(rows, n) for n in (576, 1536)}
             default = best(lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
             packed = best(lambda: [kernels._onednn(x[w.shape[1]], p) for w, p in zip(weights, packs)])
-            print(f"{rows:2d} rows: default {1e3 * default:5.1f} ms, packed {1e3 * packed:5.1f} ms "
-                  f"({flops * rows / packed / 1e9:.0f} GFLOPS)")
+            line = (f"{rows:2d} rows: default {1e3 * default:5.1f} ms, packed {1e3 * packed:5.1f} ms "
+                    f"({flops * rows / packed / 1e9:.0f} GFLOPS)")
+            if panels is not None:
+                mine = best(lambda: [few_rows.linear(x[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)])
+                line += f", few-row {1e3 * mine:5.1f} ms ({flops * rows / mine / 1e9:.0f} GFLOPS)"
+            print(line)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="1,2,4,8,16")
-    parser.add_argument("--linear", action="store_true")
-    args = parser.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
-    if args.linear:
-        return linear_ms(tokens)
-    target = load_target("smollm2-135m")
+def use_few_rows(target, on: bool) -> None:
+    """Run the target's linear layers on the few-row kernel (on) or packed for oneDNN (off, as
+    before it, with the few-row kernel choice of `small_rows`): each layer packs again at its next call."""
+    few_rows.applies = (lambda w, applies=FEW_ROWS_APPLIES: applies(w)) if on else (lambda w: False)
+    for m in target.model.modules():
+        if kernels.is_packed(m):
+            m.forward.key = None
+
+
+FEW_ROWS_APPLIES = few_rows.applies
+
+
+def kernels_compared(target, tokens: list[int]) -> None:
+    """The target forward on the few-row kernel against oneDNN's packed one (alternating, lowest of three)."""
+    best = {}
+    for _ in range(3):
+        for name, on in (("oneDNN packed", False), ("few-row kernel", True)):
+            use_few_rows(target, on)
+            for b, ms in forward_ms(target, tokens).items():
+                best.setdefault(name, {})[b] = min(best.get(name, {}).get(b, 1e9), ms)
+    print("tokens          " + "".join(f"{b:>8}" for b in tokens))
+    for name, row in best.items():
+        print(f"{name:16}" + "".join(f"{row[b]:8.1f}" for b in tokens))
+
+
+def small_rows_compared(target, tokens: list[int]) -> None:
+    """oneDNN's few-row kernel choice measured over streamed weights against one weight kept in the cache."""
+    use_few_rows(target, False)
     shapes = {(m.in_features, m.out_features) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
     streamed = forward_ms(target, tokens)
     chosen = dict(kernels.SMALL_ROWS)
@@ -88,6 +117,22 @@ def main() -> None:
     print("tokens          " + "".join(f"{b:>8}" for b in tokens))
     print("in the cache    " + "".join(f"{in_cache[b]:8.1f}" for b in tokens))
     print("streamed        " + "".join(f"{streamed[b]:8.1f}" for b in tokens))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="1,2,4,8,16")
+    parser.add_argument("--linear", action="store_true", help="the body's linear layers alone, by kernel")
+    parser.add_argument("--small-rows", action="store_true",
+                        help="oneDNN's few-row kernel choice measured streamed against in the cache")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.linear:
+        return linear_ms(tokens)
+    target = load_target("smollm2-135m")
+    if args.small_rows:
+        return small_rows_compared(target, tokens)
+    kernels_compared(target, tokens)
 
 
 if __name__ == "__main__":

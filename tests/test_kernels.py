@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models import few_rows
 from blockdraft.models.kernels import SHARED_KV_ATTENTION, is_packed, packing_available, prepack, use_packed
 from blockdraft.models.target import Target
 from blockdraft.decoding.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
@@ -13,12 +14,56 @@ from conftest import VOCAB, tiny_draft, tiny_target
 
 needs_packing = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
                                    reason="oneDNN packing is unavailable in this torch build")
+needs_few_rows = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel cannot run on this machine")
+
+
+@pytest.fixture
+def onednn_only(monkeypatch):
+    """Layers packed for oneDNN, as on a machine where the few-row kernel cannot run."""
+    monkeypatch.setattr(few_rows, "applies", lambda weight: False)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("n_in,n_out", [(96, 300), (37, 50), (576, 192), (1536, 16), (5, 1)])
+def test_few_rows_kernel_is_exact_and_bitwise_independent_of_the_row_count(n_in, n_out):
+    """Every row of every call equals the same row multiplied alone, bit for bit (a verify
+    forward's linear layers compute what one-token forwards do), and the float64 product to fp32
+    rounding, for widths that fill no whole panel or vector and row counts across every tile size."""
+    torch.manual_seed(n_in)
+    w, b = torch.randn(n_out, n_in), torch.randn(n_out)
+    panels = few_rows.pack(w)
+    x = torch.randn(40, n_in)
+    alone = torch.cat([few_rows.linear(x[i:i + 1], panels, n_out, b) for i in range(len(x))])
+    exact = (x.double() @ w.double().T + b.double()).float()
+    assert (alone - exact).abs().max() < 1e-4 * max(1.0, n_in ** 0.5)
+    for m in (*range(1, 14), 16, 17, 24, 32, 40):
+        assert torch.equal(few_rows.linear(x[:m], panels, n_out, b), alone[:m]), m
+    assert few_rows.linear(x[:6].view(2, 3, n_in), panels, n_out).shape == (2, 3, n_out)
+
+
+@needs_few_rows
+def test_prepacked_layer_runs_few_rows_and_the_default_kernel_past_its_rows(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 80)
+    prepack(layer)
+    monkeypatch.setattr(few_rows, "MAX_ROWS", 8)
+    x = torch.randn(12, 64)
+    with torch.inference_mode():
+        small = layer(x[:8])
+        assert layer.forward.panels is not None and layer.forward.packed is None  # no oneDNN copy besides
+        assert torch.equal(small, few_rows.linear(x[:8], layer.forward.panels, 80, layer.bias))
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))  # 12 rows: past MAX_ROWS
 
 
 @needs_packing
-def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch):
+@pytest.mark.parametrize("kernel", ["few_rows", "onednn"])
+def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, kernel):
     from blockdraft.models import kernels
 
+    if kernel == "few_rows" and not few_rows.available():
+        pytest.skip("the few-row kernel cannot run on this machine")
+    if kernel == "onednn":
+        monkeypatch.setattr(few_rows, "applies", lambda weight: False)
     torch.manual_seed(0)
     layer = nn.Linear(96, 300)
     prepack(layer)
@@ -34,7 +79,7 @@ def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch):
 
 
 @needs_packing
-def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch):
+def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch, onednn_only):
     """Where the default kernel measured faster at few rows, those calls compute exactly what
     transformers computes; from that count up the packed kernel runs, row-independent as ever."""
     from blockdraft.models import kernels

@@ -150,8 +150,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--assistant", default=None, help="assistant model for hf-assisted (an ID or HF directory)")
     add_dtype_args(b)
     b.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                   help="our engine on oneDNN-prepacked linear layers (default); --no-packed: on transformers' "
-                        "own kernels, as before the fast forward")
+                   help="our engine on prepacked linear layers (default: the few-row kernel where it runs, else "
+                        "oneDNN's); --no-packed: on transformers' own kernels, as before the fast forward")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="speedup bars and acceptance histograms")
     b.add_argument("--journal", default=None, metavar="FILE.jsonl",
                    help="append each prompt's figures here as it ends; rerun the same command to resume an "

@@ -29,7 +29,7 @@ import torch
 
 from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
-from ..models.kernels import use_packed
+from ..models.kernels import packed_kernel, use_packed
 from ..decoding.oracle import OracleDraft
 from .results import MethodResult
 from ..decoding.verify import SamplingParams
@@ -351,7 +351,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
                                             "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
-            "step_profile_ms": step_profile, "packed_kernels": packed,
+            "step_profile_ms": step_profile, "packed_kernels": packed and packed_kernel(target.device, target.dtype),
             **({"resumed_prompts": len(done)} if done else {}),
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 

@@ -1,5 +1,10 @@
 """Prepacked linear layers for the CPU: the one kernel change the fast forward makes.
 
+Where it runs (fp32, x86 with AVX2 and FMA, a C++ compiler), a layer's weight is packed for our
+few-row kernel (few_rows.py), which reads the weights at memory speed at one row and keeps every
+output row bitwise independent of the row count; calls of more than `few_rows.MAX_ROWS` rows run
+the default kernel. Elsewhere the weight is packed for oneDNN, as follows.
+
 PyTorch's default fp32 `nn.Linear` on the CPU repacks its weight on every call with more than
 one row, so a forward over two tokens cost about what two forwards cost (SmolLM2's LM head:
 8.6 ms at one row, 20.4 ms at two). oneDNN can pack a weight once (`_reorder_linear_weight`)
@@ -42,6 +47,8 @@ import threading
 import torch
 from torch import nn
 
+from . import few_rows
+
 _STATE = threading.local()
 PACK_HINT = 16  # rows the packing is laid out for; rows stay bitwise consistent at every count (tested)
 SMALL_ROWS_TRIED = 8  # the default kernel may take calls of up to this many rows, where it measures faster
@@ -54,6 +61,13 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:  # oneDNN packs bf16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
+
+
+def packed_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Which kernel prepacked layers of this device and dtype run: "few-row", "oneDNN" or None."""
+    if device.type == "cpu" and dtype == torch.float32 and few_rows.available():
+        return "few-row"
+    return "oneDNN" if packing_available(device, dtype) else None
 
 
 @contextlib.contextmanager
@@ -82,7 +96,8 @@ class _PackedForward:
         self.linear = linear
         self.original = linear.forward
         self.key = None
-        self.packed = None
+        self.packed = None  # oneDNN's packed copy
+        self.panels = None  # or few_rows.py's, where that kernel runs (then no oneDNN copy)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.linear.weight
@@ -92,11 +107,20 @@ class _PackedForward:
         # inference tensors have no version counter (and change in place only inside inference mode)
         key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype, w.device)
         if key != self.key:
-            if not packing_available(w.device, w.dtype):
+            self.packed = self.panels = None
+            if few_rows.applies(w):
+                self.panels = few_rows.pack(w)
+            elif packing_available(w.device, w.dtype):
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+            else:
                 return self.original(x)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
             self.key = key
         rows = x.numel() // x.shape[-1]
+        if self.panels is not None:
+            if rows > few_rows.MAX_ROWS:
+                return self.original(x)
+            bias = self.linear.bias
+            return few_rows.linear(x, self.panels, w.shape[0], None if bias is None else bias.detach())
         if rows < small_rows(w, self.packed):
             return self.original(x)
         return self._packed(x)

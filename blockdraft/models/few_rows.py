@@ -1,0 +1,107 @@
+"""A linear kernel for the few rows of a decode step, fp32 on x86 CPUs with AVX2 and FMA
+(`csrc/few_rows.cpp`, compiled on first use with the C++ compiler torch's extensions use).
+
+Why our own: a decode step multiplies 1 to 32 rows by every weight of the model. At one row that
+is a stream of the weights from memory, and oneDNN's packed kernel and PyTorch's default one read
+them at about two thirds of the memory's speed; at sixteen rows it is arithmetic, where both reach
+about half of what the cores do on a large GEMM. This kernel reads each weight once per call, in
+panels of 16 output features laid out in the order it reads them, and multiplies every row by a
+panel while it is in the core's cache. On a 2-core EPYC (AVX2), SmolLM2's 30 layers of linear
+weights take 14 ms at one row and 32 ms at sixteen, against 25 and 45 ms packed by oneDNN
+(`python scripts/forward_cost.py --linear`).
+
+Each output is one accumulator over the input features in order, whatever the number of rows and
+wherever a row falls in a tile: a row's result is bitwise the same in a one-token forward and in a
+block of 16, so a verify forward's linear layers compute exactly what plain decoding's do.
+
+`available()` says whether the kernel can run here; it returns False (once, with a warning) where
+the compiler, the instructions or the build are missing, and `kernels.py` then packs for oneDNN
+as before. BLOCKDRAFT_FEW_ROWS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+NAME = "blockdraft_few_rows"
+MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
+SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
+
+_ext = None
+_tried = False
+
+
+def available() -> bool:
+    """Whether the kernel is built and this CPU runs it (built on the first call, then cached)."""
+    return _load() is not None
+
+
+def enabled() -> bool:
+    return os.environ.get("BLOCKDRAFT_FEW_ROWS", "1") != "0"
+
+
+def _load():
+    global _ext, _tried
+    if _tried:
+        return _ext
+    _tried = True
+    if not enabled() or platform.machine().lower() not in ("x86_64", "amd64") or not _cpu_has_avx2_fma():
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        _ninja_on_path()
+        build = Path(cpp_extension._get_build_directory(NAME, verbose=False))
+        if not any(build.glob(f"{NAME}*.so")):
+            print("blockdraft: compiling the few-row linear kernel (once, about 30 s)", file=sys.stderr, flush=True)
+        ext = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        _ext = ext if ext.supported() else None
+    except Exception as err:  # no compiler, no ninja, a failed build: the other kernels still run
+        warnings.warn(f"blockdraft: the few-row linear kernel is unavailable ({type(err).__name__}: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using oneDNN's")
+    return _ext
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` on PATH: the one our dependency installs beside this Python
+    is not there when the venv is not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True  # no /proc (not Linux): the extension checks the instructions itself
+    return "avx2" in flags and "fma" in flags
+
+
+def applies(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> panels [ceil(N / 16), K, 16] (zero rows past N), the layout `linear` reads."""
+    return _load().pack(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) from the weight's panels; [..., N]."""
+    y = _load().linear(x.reshape(-1, x.shape[-1]), panels, out_features)  # [rows, N]
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], out_features)
