@@ -7,7 +7,7 @@ them at about two thirds of the memory's speed; at sixteen rows it is arithmetic
 about half of what the cores do on a large GEMM. This kernel reads each weight once per call, in
 panels of 16 output features laid out in the order it reads them, and multiplies every row by a
 panel while it is in the core's cache. On a 2-core EPYC (AVX2), SmolLM2's 30 layers of linear
-weights take 14 ms at one row and 32 ms at sixteen, against 25 and 45 ms packed by oneDNN
+weights take 16 ms at one row and 33 ms at sixteen, against 26 and 45 ms packed by oneDNN
 (`python scripts/forward_cost.py --linear`).
 
 Each output is one accumulator over the input features in order, whatever the number of rows and
