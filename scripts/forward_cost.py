@@ -66,16 +66,16 @@ def linear_ms(tokens: list[int]) -> None:
             print(line)
 
 
+FEW_ROWS_APPLIES = few_rows.applies
+
+
 def use_few_rows(target, on: bool) -> None:
     """Run the target's linear layers on the few-row kernel (on) or packed for oneDNN (off, as
     before it, with the few-row kernel choice of `small_rows`): each layer packs again at its next call."""
-    few_rows.applies = (lambda w, applies=FEW_ROWS_APPLIES: applies(w)) if on else (lambda w: False)
+    few_rows.applies = FEW_ROWS_APPLIES if on else (lambda w: False)
     for m in target.model.modules():
         if kernels.is_packed(m):
             m.forward.key = None
-
-
-FEW_ROWS_APPLIES = few_rows.applies
 
 
 def kernels_compared(target, tokens: list[int]) -> None:
@@ -84,8 +84,9 @@ def kernels_compared(target, tokens: list[int]) -> None:
     for _ in range(3):
         for name, on in (("oneDNN packed", False), ("few-row kernel", True)):
             use_few_rows(target, on)
+            row = best.setdefault(name, {})
             for b, ms in forward_ms(target, tokens).items():
-                best.setdefault(name, {})[b] = min(best.get(name, {}).get(b, 1e9), ms)
+                row[b] = min(row.get(b, ms), ms)
     print("tokens          " + "".join(f"{b:>8}" for b in tokens))
     for name, row in best.items():
         print(f"{name:16}" + "".join(f"{row[b]:8.1f}" for b in tokens))

@@ -57,13 +57,13 @@ def test_prepacked_layer_runs_few_rows_and_the_default_kernel_past_its_rows(monk
 
 @needs_packing
 @pytest.mark.parametrize("kernel", ["few_rows", "onednn"])
-def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, kernel):
+def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, request, kernel):
     from blockdraft.models import kernels
 
     if kernel == "few_rows" and not few_rows.available():
         pytest.skip("the few-row kernel cannot run on this machine")
     if kernel == "onednn":
-        monkeypatch.setattr(few_rows, "applies", lambda weight: False)
+        request.getfixturevalue("onednn_only")
     torch.manual_seed(0)
     layer = nn.Linear(96, 300)
     prepack(layer)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu import cpu_flags
+
 NAME = "blockdraft_few_rows"
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
@@ -82,16 +84,19 @@ def _ninja_on_path() -> None:
 
 
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         return True  # no /proc (not Linux): the extension checks the instructions itself
     return "avx2" in flags and "fma" in flags
 
 
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether layers of this device and dtype run the kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and available()
+
+
 def applies(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and available()
+    return weight.dim() == 2 and runs_on(weight.device, weight.dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from . import few_rows
+from .cpu import cpu_flags
 
 _STATE = threading.local()
 PACK_HINT = 16  # rows the packing is laid out for; rows stay bitwise consistent at every count (tested)
@@ -65,7 +66,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def packed_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
     """Which kernel prepacked layers of this device and dtype run: "few-row", "oneDNN" or None."""
-    if device.type == "cpu" and dtype == torch.float32 and few_rows.available():
+    if few_rows.runs_on(device, dtype):
         return "few-row"
     return "oneDNN" if packing_available(device, dtype) else None
 
@@ -310,11 +311,7 @@ def fast_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.d
 
 def native_cpu_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (Linux: read from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags() or set()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
