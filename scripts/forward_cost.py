@@ -4,6 +4,8 @@ alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (d
 
     python scripts/forward_cost.py [--tokens 1,2,4,8,16]
     python scripts/forward_cost.py --linear       # the body's linear layers alone, by kernel and rows
+    python scripts/forward_cost.py --norms        # fused RMSNorms (norms.py) against transformers' own
+    python scripts/forward_cost.py --draft        # the bundled drafter's forward and head, by block and setup
     python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
 """
 
@@ -13,6 +15,7 @@ import torch
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
 from blockdraft.models import few_rows, kernels
+from blockdraft.models.norms import fuse_norms, unfuse_norms
 from blockdraft.models.profile import timed
 from blockdraft.models.target import load_target
 
@@ -46,6 +49,7 @@ def linear_ms(tokens: list[int]) -> None:
     weights = [torch.randn(o, i) for _ in range(30) for o, i in shapes]
     packs = [torch.ops.mkldnn._reorder_linear_weight(w, kernels.PACK_HINT) for w in weights]
     panels = [few_rows.pack(w) for w in weights] if few_rows.available() else None
+    panels16 = [few_rows.pack(w, torch.bfloat16) for w in weights] if panels is not None else None  # a drafter's
     flops = 2 * sum(w.numel() for w in weights)
     a = torch.randn(2048, 2048)
     print(f"a 2048^3 GEMM: {2 * 2048 ** 3 / best(lambda: a @ a) / 1e9:.0f} GFLOPS")
@@ -62,7 +66,9 @@ def linear_ms(tokens: list[int]) -> None:
                     f"({flops * rows / packed / 1e9:.0f} GFLOPS)")
             if panels is not None:
                 mine = best(lambda: [few_rows.linear(x[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)])
-                line += f", few-row {1e3 * mine:5.1f} ms ({flops * rows / mine / 1e9:.0f} GFLOPS)"
+                half = best(lambda: [few_rows.linear(x[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels16)])
+                line += (f", few-row {1e3 * mine:5.1f} ms ({flops * rows / mine / 1e9:.0f} GFLOPS), "
+                         f"bf16 panels {1e3 * half:5.1f} ms")
             print(line)
 
 
@@ -80,16 +86,73 @@ def use_few_rows(target, on: bool) -> None:
 
 def kernels_compared(target, tokens: list[int]) -> None:
     """The target forward on the few-row kernel against oneDNN's packed one (alternating, lowest of three)."""
-    best = {}
-    for _ in range(3):
-        for name, on in (("oneDNN packed", False), ("few-row kernel", True)):
-            use_few_rows(target, on)
+    best = alternating({"oneDNN packed": lambda: use_few_rows(target, False),
+                        "few-row kernel": lambda: use_few_rows(target, True)}, lambda: forward_ms(target, tokens), 3)
+    print_rows(best, tokens)
+
+
+def alternating(setups: dict, measure, rounds: int) -> dict:
+    """{name: {key: lowest ms}} of `measure()` under each setup in turn, `rounds` times over (the
+    machine's speed drifts by minutes: alternating keeps the drift out of the comparison)."""
+    best: dict = {}
+    for _ in range(rounds):
+        for name, setup in setups.items():
+            setup()
             row = best.setdefault(name, {})
-            for b, ms in forward_ms(target, tokens).items():
-                row[b] = min(row.get(b, ms), ms)
-    print("tokens          " + "".join(f"{b:>8}" for b in tokens))
+            for key, ms in measure().items():
+                row[key] = min(row.get(key, ms), ms)
+    return best
+
+
+def print_rows(best: dict, keys: list[int], label: str = "tokens") -> None:
+    print(f"{label:<30}" + "".join(f"{k:>8}" for k in keys))
     for name, row in best.items():
-        print(f"{name:16}" + "".join(f"{row[b]:8.1f}" for b in tokens))
+        print(f"{name:<30}" + "".join(f"{row[k]:8.1f}" for k in keys))
+
+
+def norms_compared(target, tokens: list[int]) -> None:
+    """The target forward with its RMSNorms fused (norms.py) against transformers' own."""
+    best = alternating({"transformers' norms": lambda: unfuse_norms(target.model),
+                        "fused norms": lambda: fuse_norms(target.model)}, lambda: forward_ms(target, tokens), 5)
+    print_rows(best, tokens)
+
+
+def draft_compared(target, blocks: list[int]) -> None:
+    """The bundled drafter's forward over a block plus its head over the block's rows, at a
+    256-token context, in three setups: fp32 as written (the drafter's linear layers packed, as
+    before), with its norms and per-head norm + RoPE fused, and with bf16 weights too (the default
+    where the few-row kernel runs, kernels.draft_precision)."""
+    from blockdraft.decoding.engine import Engine
+    from blockdraft.models.checkpoint import load_draft
+    from blockdraft.models.draft import DraftCache
+    from blockdraft.cli.common import bundled_drafter
+
+    draft = load_draft(bundled_drafter("smollm2-135m"))
+    ctx = list(range(100, 356))
+    with torch.inference_mode():
+        taps = target.forward(torch.tensor([ctx]), target.new_cache(), draft.cfg.target_layer_ids).taps
+
+    def setup(dtype, fused):
+        def apply():
+            Engine(target, draft, draft_dtype=dtype)
+            if not fused:
+                unfuse_norms(draft)
+        return apply
+
+    def measure():
+        embed, head = target.embed_tokens, draft.head_for(target.lm_head)
+        with torch.inference_mode():
+            cache = DraftCache(len(draft.layers))
+            draft.block_hidden(embed, cache, taps, 0, len(ctx), 16)  # the context's K/V
+            empty = taps[:, :0]
+            step = lambda b: head(draft.block_hidden(embed, cache, empty, 0, len(ctx), b))  # noqa: E731
+            for b in blocks:
+                step(b)
+            return {b: round(1e3 * timed(lambda b=b: step(b), target.device, 15), 2) for b in blocks}
+
+    best = alternating({"fp32, as written": setup(torch.float32, False), "fp32, fused": setup(torch.float32, True),
+                        "bf16 weights, fused": setup(torch.bfloat16, True)}, measure, 3)
+    print_rows(best, blocks, "block (draft forward + head)")
 
 
 def small_rows_compared(target, tokens: list[int]) -> None:
@@ -124,6 +187,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,2,4,8,16")
     parser.add_argument("--linear", action="store_true", help="the body's linear layers alone, by kernel")
+    parser.add_argument("--norms", action="store_true", help="fused RMSNorms against transformers' own")
+    parser.add_argument("--draft", action="store_true", help="the bundled drafter's forward and head, by setup")
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN's few-row kernel choice measured streamed against in the cache")
     args = parser.parse_args()
@@ -133,6 +198,10 @@ def main() -> None:
     target = load_target("smollm2-135m")
     if args.small_rows:
         return small_rows_compared(target, tokens)
+    if args.norms:
+        return norms_compared(target, tokens)
+    if args.draft:
+        return draft_compared(target, [b for b in tokens if b >= 2])
     kernels_compared(target, tokens)
 
 

@@ -22,7 +22,8 @@ import torch
 from .adaptive import AdaptiveBlockPolicy, LoadPolicy, load_policy
 from ..models.checkpoint import check_fits
 from ..models.draft import DraftCache, DraftModel
-from ..models.kernels import prepack
+from ..models.kernels import draft_precision, prepack
+from ..models.norms import fuse_norms
 from .propose import LOOKUP_BLOCK, DraftWanted, Proposal, Proposers, draft_blocks  # noqa: F401  (LOOKUP_BLOCK: re-exported)
 from .slots import OwnCache, RowBlock, SlotCache
 from .state import (  # noqa: F401  (re-exported: what callers of the engine use)
@@ -354,8 +355,11 @@ class Engine:
         target.check_exact()  # a target whose cache cannot roll back exactly is refused here, before any work
         if draft is not None:
             check_fits(draft.cfg, target)
-            draft.to(device=target.device, dtype=draft_dtype or target.dtype)
-            prepack(draft)  # oneDNN-packed linear layers on the CPU (kernels.py), as the target's
+            compute, storage = draft_precision(target.device, draft_dtype or target.dtype)
+            draft.to(device=target.device, dtype=compute)
+            draft.weight_storage = storage  # bf16 weights computed in fp32, where that is the fast bf16
+            prepack(draft, storage)  # packed linear layers and fused norms on the CPU, as the target's
+            fuse_norms(draft)
         self.target = target
         self.draft = draft
         self.policies: dict = {}  # what adaptive blocks learned so far: by maximum block, and "lookup"

@@ -234,7 +234,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     if references is not None and len(references) != len(prompts):
         raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
     # one engine per method: what one method's adaptive policies learn must not help another
-    draft_setup = dict(draft_dtype=draft.dtype) if draft is not None else {}  # as the caller set it up
+    draft_setup = dict(draft_dtype=draft.weight_storage or draft.dtype) if draft is not None else {}  # as the caller set it up
     engines = {m: Engine(target, draft if specs[m].name == "dflash" else None, **draft_setup)
                for m in methods if specs[m].name in ("dflash", "ar")}
     plain = engines.get("ar") or Engine(target)
@@ -246,7 +246,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "prompts": prompts_digest(prompts), "methods": list(methods), "max_new_tokens": max_new_tokens,
             "block_size": block_size, "temperature": temperature, "oracle_keep": oracle_keep, "packed": packed,
             "cost_repeats": cost_repeats, "device": str(target.device), "dtype": str(target.dtype),
-            "draft_dtype": str(draft.dtype) if draft is not None else None, **(journal_tags or {})})
+            "draft_dtype": draft.precision if draft is not None else None, **(journal_tags or {})})
     truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
     def run(method, ids, res):
@@ -352,6 +352,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],
                                             "prompts_measured": costs["samples"], "repeats_per_prompt": cost_repeats},
             "step_profile_ms": step_profile, "packed_kernels": packed and packed_kernel(target.device, target.dtype),
+            "draft_precision": draft.precision if draft is not None else None,
             **({"resumed_prompts": len(done)} if done else {}),
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import few_rows
+from .norms import runs_fused
 from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
     SCALED_ROPE_TYPES, DraftConfig, build_draft_config, default_target_layer_ids, init_scale_check,
 )
@@ -47,11 +49,16 @@ def scaled_rope(cfg: "DraftConfig", device) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(factor)
 
 
+def default_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """The default RoPE's inverse frequencies [D/2]."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype, scaling=None) -> tuple:
     """cos/sin tables for absolute positions [T] -> [T, D], or per sequence [B, T] -> [B, 1, T, D]
     (the default RoPE of Llama/Qwen; `scaling`: (inv_freq, factor) of a scaled one)."""
     if scaling is None:
-        inv_freq, factor = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)), 1.0
+        inv_freq, factor = default_inv_freq(head_dim, theta, positions.device), 1.0
     else:
         inv_freq, factor = scaling[0].to(positions.device), scaling[1]
     freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
@@ -67,6 +74,16 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def norm_rope(norm: nn.Module, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
+    """Per-head `norm` then RoPE: x [B, T, heads, D] -> [B, heads, T, D]; one fused pass where `norm`
+    runs fused (norms.py), else as written."""
+    if not runs_fused(norm, x):
+        return apply_rope(norm(x).transpose(1, 2), cos_sin)
+    cos, sin = cos_sin  # [T, D] or [B, 1, T, D]
+    cos, sin = (cos[None], sin[None]) if cos.dim() == 2 else (cos[:, 0], sin[:, 0])  # [1 or B, T, D]
+    return few_rows.norm_rope(x, norm.weight.detach(), norm.eps, cos, sin)
 
 
 def window_mask(queries: int, keys: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
@@ -99,9 +116,9 @@ class DraftAttention(nn.Module):
 
     def _kv(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
+        k = norm_rope(self.k_norm, self.k_proj(x).view(b, t, self.cfg.num_kv_heads, self.cfg.head_dim), cos_sin)
         v = self.v_proj(x).view(b, t, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-        return apply_rope(k, cos_sin), v  # [B, Hkv, T, D] each
+        return k, v  # [B, Hkv, T, D] each
 
     def context_kv(self, c: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of context features c [B, Tc, H] (injected into this layer)."""
@@ -111,8 +128,7 @@ class DraftAttention(nn.Module):
         """ctx_k/ctx_v: [B, Hkv, Tc, D], or a list of B such [1, Hkv, Tc_r, D] (a batch of
         sequences, each with a context of its own: its own attention, the projections shared)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.cfg.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos_sin)  # [B, Hq, T, D]
+        q = norm_rope(self.q_norm, self.q_proj(x).view(b, t, -1, self.cfg.head_dim), cos_sin)  # [B, Hq, T, D]
         k, v = self._kv(x, cos_sin)
         if isinstance(ctx_k, list):
             out = torch.cat([self._attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], ctx_k[r], ctx_v[r], None)
@@ -192,8 +208,9 @@ class DraftModel(nn.Module):
         self.apply(self._init_weights)
         # the draft vocabulary subset (vocab.py), sorted target ids; None: the full vocabulary
         self.vocab_ids: torch.Tensor | None = None
-        self._subset_head = None  # ((the target head's weight, dtype, subset), its SubsetHead), made on first use
-        self._rope_scaling = None  # (inv_freq, factor) of a scaled RoPE, made on first use
+        self._subset_head = None  # ((the target head's weight, dtype, subset, storage), its SubsetHead), made on first use
+        self.weight_storage: torch.dtype | None = None  # bf16: the packed linear layers' weights (Engine, kernels.draft_precision)
+        self._rope_scaling = None  # (inv_freq, factor) of its RoPE, made on first use
 
     @staticmethod
     def _init_weights(module):
@@ -208,27 +225,33 @@ class DraftModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @property
+    def precision(self) -> str:
+        """What the drafter computes in, and its packed weights' storage where that differs."""
+        return str(self.dtype) if self.weight_storage is None else f"{self.weight_storage} weights, {self.dtype} compute"
+
     def head_for(self, lm_head: nn.Module) -> nn.Module:
         """The head the draft scores with: the target's `lm_head` itself, or a copy of its rows
-        of the draft vocabulary subset and/or in the draft's dtype (a `SubsetHead`, made once
-        per target head and dtype)."""
+        of the draft vocabulary subset and/or in the draft's dtype or weight storage (a
+        `SubsetHead`, made once per target head, dtype and storage)."""
         weight = lm_head.weight
-        if self.vocab_ids is None and weight.dtype == self.dtype:
+        if self.vocab_ids is None and weight.dtype == self.dtype and self.weight_storage is None:
             return lm_head
-        key = (weight, self.dtype, self.vocab_ids)
+        key = (weight, self.dtype, self.vocab_ids, self.weight_storage)
         if self._subset_head is None or any(a is not b for a, b in zip(self._subset_head[0], key)):
             from .kernels import prepack
             from .vocab import SubsetHead
 
             ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(weight.shape[0])
             head = SubsetHead(weight.detach().to(self.dtype), ids)
-            prepack(head)
+            prepack(head, self.weight_storage)
             self._subset_head = (key, head)
         return self._subset_head[1]
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple:
-        if self.cfg.rope_scaling is not None and self._rope_scaling is None:
-            self._rope_scaling = scaled_rope(self.cfg, positions.device)
+        if self._rope_scaling is None or self._rope_scaling[0].device != positions.device:  # made once, not per call
+            self._rope_scaling = scaled_rope(self.cfg, positions.device) if self.cfg.rope_scaling is not None \
+                else (default_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, positions.device), 1.0)
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype, self._rope_scaling)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:

@@ -99,14 +99,31 @@ def applies(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and runs_on(weight.device, weight.dtype)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> panels [ceil(N / 16), K, 16] (zero rows past N), the layout `linear` reads."""
-    return _load().pack(weight.detach().contiguous())
+def pack(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor:
+    """weight [N, K] -> panels [ceil(N / 16), K, 16] (zero rows past N), the layout `linear` reads.
+    storage=torch.bfloat16: the panels hold the weight rounded to bf16, half the bytes to stream;
+    `linear` widens them exactly and computes in fp32 (for the drafter, whose numerics cannot
+    change the output)."""
+    if storage not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"few-row panels are stored in float32 or bfloat16, not {storage}")
+    return _load().pack(weight.detach().to(storage or weight.dtype).contiguous())
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight.T (+ bias) from the weight's panels; [..., N]."""
+    """x [..., K] @ weight.T (+ bias) from the weight's panels (fp32 or bf16); fp32 [..., N]."""
     y = _load().linear(x.reshape(-1, x.shape[-1]), panels, out_features)  # [rows, N]
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2, -1) + eps)) of fp32 rows in one pass (csrc/few_rows.cpp), each
+    row independent of the others; `x`'s shape."""
+    return _load().rms_norm(x, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotary embedding (rotate-half) in one pass: fp32 x [B, T, heads, D],
+    cos/sin [1 or B, T, D] -> [B, heads, T, D] (csrc/few_rows.cpp)."""
+    return _load().norm_rope(x, weight, eps, cos, sin)

@@ -93,8 +93,9 @@ class _PackedForward:
     made again when the weight changed since (in place, by an optimizer step or a load, or by a
     move or cast), so a packed layer never computes with stale weights."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, storage: torch.dtype | None = None):
         self.linear = linear
+        self.storage = storage  # the few-row panels' dtype (bf16: the drafter's weights, see `prepack`)
         self.original = linear.forward
         self.key = None
         self.packed = None  # oneDNN's packed copy
@@ -110,7 +111,7 @@ class _PackedForward:
         if key != self.key:
             self.packed = self.panels = None
             if few_rows.applies(w):
-                self.panels = few_rows.pack(w)
+                self.panels = few_rows.pack(w, self.storage)
             elif packing_available(w.device, w.dtype):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
             else:
@@ -213,14 +214,19 @@ def kernel_timings(weight: torch.Tensor, rows: int) -> dict:
                 "streamed_packed": us(lambda: [_onednn(x, p) for p in packs])}
 
 
-def prepack(module: nn.Module) -> int:
+def prepack(module: nn.Module, storage: torch.dtype | None = None) -> int:
     """Give every `nn.Linear` under `module` the packed forward (idempotent; the packing itself
-    happens at each layer's first call); returns how many layers now have it."""
+    happens at each layer's first call); returns how many layers now have it. storage=torch.bfloat16:
+    where the few-row kernel runs, the layers' panels hold their weights rounded to bf16 (computed
+    in fp32; only for a model whose numerics cannot change the output: the drafter)."""
     count = 0
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
-            if not is_packed(layer):
-                layer.forward = _PackedForward(layer)
+            current = layer.__dict__.get("forward")
+            if not isinstance(current, _PackedForward):
+                layer.forward = _PackedForward(layer, storage)
+            elif current.storage != storage:
+                current.storage, current.key = storage, None  # packed again at the next call
             count += 1
     return count
 
@@ -297,16 +303,32 @@ def _branches_on_sdpa(model: nn.Module) -> bool:
 
 
 def fast_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
-    """The drafter's dtype for `--draft-dtype auto`: bf16 on CUDA and on a CPU with native bf16
-    instructions (AVX512-BF16 or AMX) that oneDNN packs for; else the target's dtype (without
-    them bf16 is emulated and slower: on an AVX2-only CPU the bundled drafter's block-16 forward
+    """The drafter's dtype for `--draft-dtype auto`: bf16 on CUDA, on a CPU with native bf16
+    instructions (AVX512-BF16 or AMX) that oneDNN packs for, and beside an fp32 target where the
+    few-row kernel runs (bf16 weights computed in fp32, `draft_precision`); else the target's dtype
+    (bf16 arithmetic emulated is slower: on an AVX2-only CPU the bundled drafter's block-16 forward
     took 81 ms in bf16 against 19 ms in fp32)."""
-    if device.type == "cuda":
+    if device.type == "cuda" or native_bf16_packing(device):
         return torch.bfloat16
-    if device.type == "cpu" and native_cpu_bf16() and torch.backends.mkldnn.is_available() \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if target_dtype == torch.float32 and few_rows.runs_on(device, torch.float32):
         return torch.bfloat16
     return target_dtype
+
+
+def native_bf16_packing(device: torch.device) -> bool:
+    """Whether oneDNN computes bf16 natively on this device (a CPU with bf16 instructions)."""
+    return device.type == "cpu" and native_cpu_bf16() and torch.backends.mkldnn.is_available() \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def draft_precision(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype | None]:
+    """(compute dtype, few-row weight storage or None) of a drafter asked to run in `dtype`. bf16 on
+    a CPU without native bf16 but with the few-row kernel: the linear layers' weights rounded to
+    bf16 (half the bytes a step streams) and everything computed in fp32, where emulated bf16
+    arithmetic would be slower (`python scripts/forward_cost.py --linear`)."""
+    if dtype == torch.bfloat16 and not native_bf16_packing(device) and few_rows.runs_on(device, torch.float32):
+        return torch.float32, torch.bfloat16
+    return dtype, None
 
 
 def native_cpu_bf16() -> bool:

@@ -27,6 +27,7 @@ import torch
 from .cache import TargetCache, check_rollback, crop, keep_positions, probe_rollback, restore, snapshot, tree_capable
 from ..errors import BlockdraftError
 from .kernels import prepack, share_kv_heads
+from .norms import fuse_norms
 
 MAX_PENDING = 16  # hybrid targets: more pending tokens than this run in a forward of their own
 SMOLLM2_ALIAS = "smollm2-135m"
@@ -117,8 +118,9 @@ class Target:
         self._has_state = any(k.startswith("state") for k in self.cache_kinds)
         self._tree_capable = tree_capable(kv)
         self._exact = False  # whether `check_exact` passed
-        if packed:  # prepacked oneDNN linear layers on the CPU, K/V heads shared in masked attention (kernels.py)
-            prepack(self.model)
+        if packed:  # prepacked linear layers and fused norms on the CPU, K/V heads shared in masked attention
+            prepack(self.model)  # (kernels.py, norms.py)
+            fuse_norms(self.model)
             share_kv_heads(self.model)
 
     @property

@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -25,9 +27,17 @@ constexpr int64_t NR = 16;  // output features per panel: two AVX2 vectors
 #define BD_DECL(i, v) __m256 a##i##v = _mm256_setzero_ps();
 #define BD_FMA(i, v) if constexpr (MR > i && NV > v) a##i##v = _mm256_fmadd_ps(xi, w##v, a##i##v);
 #define BD_STORE(i, v) if constexpr (MR > i && NV > v) store(y + i * ldy, n0 + 8 * v, N, a##i##v);
-#define BD_LOAD(v) const __m256 w##v = NV > v ? _mm256_loadu_ps(panels + (v / 2) * stride + k * NR + 8 * (v % 2)) : zero;
+#define BD_LOAD(v) const __m256 w##v = NV > v ? load8(panels + (v / 2) * stride + k * NR + 8 * (v % 2)) : zero;
 // row i: its x[i, k] broadcast just before its FMAs (all six broadcast first would need 20 registers)
 #define BD_STEP(i) if constexpr (MR > i) { const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k); BD_ROW(i, BD_FMA) }
+
+// Eight weights as fp32: read as they are, or widened from bf16 (its 16 bits are fp32's upper half,
+// so the widening is exact: a bf16 weight is computed with in fp32, at half the bytes to stream).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 
 inline void store(float* row, int64_t n, int64_t N, __m256 v) {
     if (n + 8 <= N) {
@@ -39,8 +49,8 @@ inline void store(float* row, int64_t n, int64_t N, __m256 v) {
     }
 }
 
-template <int MR, int NP, bool PREFETCH>
-inline void tile(const float* x, int64_t ldx, const float* panels, int64_t K, float* y, int64_t ldy,
+template <int MR, int NP, bool PREFETCH, typename T>
+inline void tile(const float* x, int64_t ldx, const T* panels, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N) {
     constexpr int NV = 2 * NP;
     static_assert(MR <= 6 && NV <= 8 && MR * NV <= 12, "accumulators must fit the registers");
@@ -57,32 +67,32 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t K, fl
     BD_ROWS(BD_STORE)
 }
 
-template <int MR, int NP>
-inline void rest(const float* x, int64_t K, const float* panels, float* y, int64_t N, int64_t n0, bool first) {
+template <int MR, int NP, typename T>
+inline void rest(const float* x, int64_t K, const T* panels, float* y, int64_t N, int64_t n0, bool first) {
     if constexpr (MR * NP <= 6) {
-        if (first) tile<MR, NP, true>(x, K, panels, K, y, N, n0, N);
-        else tile<MR, NP, false>(x, K, panels, K, y, N, n0, N);
+        if (first) tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N);
+        else tile<MR, NP, false, T>(x, K, panels, K, y, N, n0, N);
     }
 }
 
 // All rows of x against NP panels starting at panel p0, in tiles of 6 / NP rows.
-template <int NP>
-void rows_x_panels(const float* x, int64_t M, int64_t K, const float* packed, int64_t p0, float* y, int64_t N) {
+template <int NP, typename T>
+void rows_x_panels(const float* x, int64_t M, int64_t K, const T* packed, int64_t p0, float* y, int64_t N) {
     constexpr int MR = 6 / NP;
-    const float* panels = packed + p0 * K * NR;
+    const T* panels = packed + p0 * K * NR;
     const int64_t n0 = p0 * NR;
     int64_t m = 0;
     if (M >= MR) {  // the first tile prefetches the next panels; the rest read these from the cache
-        tile<MR, NP, true>(x, K, panels, K, y, N, n0, N);
+        tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N);
         m = MR;
     }
-    for (; m + MR <= M; m += MR) tile<MR, NP, false>(x + m * K, K, panels, K, y + m * N, N, n0, N);
+    for (; m + MR <= M; m += MR) tile<MR, NP, false, T>(x + m * K, K, panels, K, y + m * N, N, n0, N);
     switch (M - m) {
-        case 5: rest<5, NP>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 4: rest<4, NP>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 3: rest<3, NP>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 2: rest<2, NP>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 1: rest<1, NP>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 5: rest<5, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 4: rest<4, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 3: rest<3, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 2: rest<2, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 1: rest<1, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
         default: break;
     }
 }
@@ -91,26 +101,18 @@ void rows_x_panels(const float* x, int64_t M, int64_t K, const float* packed, in
 
 bool supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// W [N, K] -> [ceil(N / 16), K, 16], zero-padded.
+// W [N, K] -> [ceil(N / 16), K, 16], zero-padded, in W's dtype (fp32, or bf16 for `linear` to widen).
 torch::Tensor pack(torch::Tensor w) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "pack: a 2-D float32 weight");
+    TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+                "pack: a 2-D float32 or bfloat16 weight");
     const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
     auto padded = torch::zeros({P * NR, K}, w.options());
     padded.narrow(0, 0, N).copy_(w);
     return padded.view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear: 2-D float32 rows");
-    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(1) == x.size(1) && packed.is_contiguous(),
-                "linear: a weight packed for this input width");
-    x = x.contiguous();
-    const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-    TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "linear: N does not match the packed weight");
-    auto y = torch::empty({M, N}, x.options());
-    const float* xp = x.data_ptr<float>();
-    const float* wp = packed.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+template <typename T>
+void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* yp, int64_t N) {
     // Panels per unit of work: at few rows, several panels at once keep enough independent
     // accumulator chains in flight (an FMA's latency is four of its issue slots).
     const int64_t np = M == 1 ? 4 : (M == 2 ? 3 : (M <= 3 ? 2 : 1));
@@ -120,17 +122,112 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
             int64_t p = u * np;
             const int64_t stop = std::min(P, p + np);
             if (stop - p == np) {
-                if (np == 4) { rows_x_panels<4>(xp, M, K, wp, p, yp, N); continue; }
-                if (np == 3) { rows_x_panels<3>(xp, M, K, wp, p, yp, N); continue; }
-                if (np == 2) { rows_x_panels<2>(xp, M, K, wp, p, yp, N); continue; }
+                if (np == 4) { rows_x_panels<4, T>(xp, M, K, wp, p, yp, N); continue; }
+                if (np == 3) { rows_x_panels<3, T>(xp, M, K, wp, p, yp, N); continue; }
+                if (np == 2) { rows_x_panels<2, T>(xp, M, K, wp, p, yp, N); continue; }
             }
-            for (; p < stop; ++p) rows_x_panels<1>(xp, M, K, wp, p, yp, N);
+            for (; p < stop; ++p) rows_x_panels<1, T>(xp, M, K, wp, p, yp, N);
+        }
+    });
+}
+
+// x [M, K] fp32 against packed panels (fp32 or bf16) -> y [M, N] fp32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear: 2-D float32 rows");
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(1) == x.size(1) && packed.is_contiguous(),
+                "linear: a weight packed for this input width");
+    x = x.contiguous();
+    const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+    TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "linear: N does not match the packed weight");
+    auto y = torch::empty({M, N}, x.options());
+    if (packed.scalar_type() == torch::kBFloat16)
+        run(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P,
+            y.data_ptr<float>(), N);
+    else
+        run(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, y.data_ptr<float>(), N);
+    return y;
+}
+
+// RMSNorm of each row of x [M, H] (fp32): y = w * (x / sqrt(mean(x^2) + eps)), in one pass over
+// the row where PyTorch's ops make about eight (and as many dispatches: tens of microseconds for
+// a decode step's few rows). A row's sum of squares runs in one fixed order (eight lanes, then
+// their sum), so a row's result is the same whatever M is.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
+                x.size(-1) == w.size(0), "rms_norm: float32 rows and a float32 weight of their width");
+    x = x.contiguous();
+    const int64_t H = x.size(-1), M = x.numel() / std::max<int64_t>(H, 1);
+    auto y = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.contiguous().data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t H8 = H - H % 8;
+    at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) {
+            const float* r = xp + m * H;
+            float* o = yp + m * H;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t h = 0; h < H8; h += 8) {
+                const __m256 v = _mm256_loadu_ps(r + h);
+                acc = _mm256_fmadd_ps(v, v, acc);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc);
+            float ss = 0.f;
+            for (int i = 0; i < 8; ++i) ss += lanes[i];
+            for (int64_t h = H8; h < H; ++h) ss += r[h] * r[h];
+            const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+            const __m256 s = _mm256_set1_ps(inv);
+            for (int64_t h = 0; h < H8; h += 8)
+                _mm256_storeu_ps(o + h, _mm256_mul_ps(_mm256_loadu_ps(wp + h), _mm256_mul_ps(_mm256_loadu_ps(r + h), s)));
+            for (int64_t h = H8; h < H; ++h) o[h] = wp[h] * (r[h] * inv);
+        }
+    });
+    return y;
+}
+
+// A drafter's per-head RMSNorm and rotary embedding in one pass: x [B, T, Hn, D] (a projection's
+// output, contiguous) -> y [B, Hn, T, D] (the layout attention reads) with
+// y = rope(w * x / sqrt(mean(x^2) + eps)), rope(v) = v * cos + rotate_half(v) * sin and
+// rotate_half(v) = [-v[D/2:], v[:D/2]]; cos and sin [Bc, T, D] with Bc = 1 or B.
+torch::Tensor norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
+                w.numel() == x.size(3) && x.size(3) % 2 == 0, "norm_rope: float32 x [B, T, Hn, D], w [D]");
+    TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == x.size(1) && cos.size(2) == x.size(3) &&
+                (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.scalar_type() == torch::kFloat32 &&
+                sin.scalar_type() == torch::kFloat32, "norm_rope: cos/sin [1 or B, T, D] float32");
+    x = x.contiguous();
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    const int64_t B = x.size(0), T = x.size(1), Hn = x.size(2), D = x.size(3), half = D / 2;
+    auto y = torch::empty({B, Hn, T, D}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.contiguous().data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const bool per_row = cos.size(0) == B && B > 1;
+    at::parallel_for(0, B * T * Hn, 256, [&](int64_t begin, int64_t end) {
+        std::vector<float> n(D);
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t b = i / (T * Hn), t = (i / Hn) % T, h = i % Hn;
+            const float* r = xp + i * D;
+            float ss = 0.f;
+            for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+            const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+            for (int64_t d = 0; d < D; ++d) n[d] = wp[d] * (r[d] * inv);
+            const int64_t c0 = ((per_row ? b : 0) * T + t) * D;
+            float* o = yp + ((b * Hn + h) * T + t) * D;
+            for (int64_t d = 0; d < half; ++d) o[d] = n[d] * cp[c0 + d] - n[d + half] * sp[c0 + d];
+            for (int64_t d = half; d < D; ++d) o[d] = n[d] * cp[c0 + d] + n[d - half] * sp[c0 + d];
         }
     });
     return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("norm_rope", &norm_rope);
+    m.def("rms_norm", &rms_norm);
     m.def("supported", &supported);
     m.def("pack", &pack);
     m.def("linear", &linear);

@@ -1,0 +1,147 @@
+"""The few-row extension's other kernels: bf16-stored panels (the drafter's weights), the fused
+RMSNorm (norms.py) and the drafter's fused per-head norm and RoPE."""
+
+import pytest
+import torch
+from torch import nn
+
+from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.models import few_rows
+from blockdraft.models.draft import DraftCache, RMSNorm, apply_rope, rope_cos_sin
+from blockdraft.models.kernels import draft_precision, fast_draft_dtype, use_packed
+from blockdraft.models.norms import _FusedNorm, fuse_norms, unfuse_norms
+
+from conftest import tiny_draft, tiny_target
+
+needs_few_rows = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel cannot run on this machine")
+CPU = torch.device("cpu")
+
+
+@needs_few_rows
+@pytest.mark.parametrize("n_in,n_out", [(96, 300), (37, 50), (576, 192), (5, 1)])
+def test_bf16_panels_widen_exactly_and_keep_rows_independent(n_in, n_out):
+    """bf16 panels compute with the weight rounded to bf16, in fp32: the float64 product of that
+    rounded weight to fp32 rounding, and each row bitwise what it is alone."""
+    torch.manual_seed(n_in)
+    w = torch.randn(n_out, n_in)
+    panels = few_rows.pack(w, torch.bfloat16)
+    assert panels.dtype == torch.bfloat16
+    x = torch.randn(24, n_in)
+    alone = torch.cat([few_rows.linear(x[i:i + 1], panels, n_out) for i in range(len(x))])
+    exact = (x.double() @ w.to(torch.bfloat16).double().T).float()
+    assert (alone - exact).abs().max() < 1e-4 * max(1.0, n_in ** 0.5)
+    assert (alone - (x @ w.T)).abs().max() > 0  # it is the rounded weight, not the fp32 one
+    for m in (1, 2, 3, 5, 6, 7, 13, 16, 24):
+        assert torch.equal(few_rows.linear(x[:m], panels, n_out), alone[:m]), m
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        few_rows.pack(w, torch.float16)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("shape", [(1, 4, 576), (3, 9, 64), (300, 96), (2, 5, 3)])
+def test_fused_rms_norm_matches_the_module_and_keeps_rows_independent(shape):
+    torch.manual_seed(len(shape))
+    norm = RMSNorm(shape[-1], 1e-5)
+    norm.weight.data = torch.randn(shape[-1])
+    x = torch.randn(*shape) * 4
+    with torch.no_grad():
+        fused = few_rows.rms_norm(x, norm.weight, 1e-5)
+        assert torch.allclose(fused, norm(x), rtol=1e-5, atol=1e-6)
+    rows = x.reshape(-1, shape[-1])
+    whole = few_rows.rms_norm(rows, norm.weight, 1e-5)
+    for i in range(0, len(rows), max(1, len(rows) // 7)):
+        assert torch.equal(few_rows.rms_norm(rows[i:i + 1], norm.weight, 1e-5)[0], whole[i])
+
+
+@needs_few_rows
+@pytest.mark.parametrize("batched", [False, True])
+def test_fused_norm_rope_is_the_norm_then_rope(batched):
+    torch.manual_seed(0)
+    b, t, heads, d = 2, 5, 3, 16
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = torch.randn(d)
+    x = torch.randn(b, t, heads, d)
+    positions = torch.tensor([[7, 8, 9, 10, 11], [3, 4, 5, 6, 7]]) if batched else torch.arange(20, 25)
+    cos, sin = rope_cos_sin(positions, d, 10000.0, torch.float32)  # [B, 1, T, D] or [T, D]
+    with torch.no_grad():
+        want = apply_rope(norm(x).transpose(1, 2), (cos, sin))
+    c, s = (cos[:, 0], sin[:, 0]) if batched else (cos[None], sin[None])
+    got = few_rows.norm_rope(x, norm.weight, 1e-6, c, s)
+    assert got.shape == (b, heads, t, d) and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _OnePlusNorm(nn.Module):
+    """A Gemma-style RMSNorm (weight applied as 1 + w): the fused kernel does not reproduce it."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.randn(dim)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+_OnePlusNorm.__name__ = "GemmaRMSNorm"
+
+
+@needs_few_rows
+def test_fuse_norms_takes_the_norms_it_reproduces_and_leaves_the_others():
+    target = tiny_target("llama")  # Target fuses its norms (and packs its linear layers)
+    norms = [m for m in target.model.modules() if "RMSNorm" in type(m).__name__]
+    assert norms and all(isinstance(m.__dict__.get("forward"), _FusedNorm) for m in norms)
+    other = nn.Sequential(_OnePlusNorm(32), RMSNorm(32, 1e-5))
+    assert fuse_norms(other) == 1
+    assert "forward" not in other[0].__dict__ and isinstance(other[1].__dict__["forward"], _FusedNorm)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        fused = other[1](x)
+        with use_packed(False):
+            assert torch.equal(other[1](x), RMSNorm.forward(other[1], x))  # as written, within use_packed(False)
+    assert torch.allclose(fused, RMSNorm.forward(other[1], x), rtol=1e-5, atol=1e-6)
+    y = torch.randn(3, 32, requires_grad=True)
+    other[1](y).sum().backward()  # training runs the module's own forward, with its gradient
+    assert y.grad is not None
+    unfuse_norms(other)
+    assert "forward" not in other[1].__dict__
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fused_norms_keep_speculative_output_identical(kind):
+    """The target with fused norms (its default) decodes speculatively what it decodes plainly, and
+    plainly what it decodes with transformers' own norms and kernels (to the greedy tokens)."""
+    target = tiny_target(kind)
+    cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
+    with use_packed(False):
+        assert Engine(target).generate([5, 17, 33, 2], cfg).token_ids == plain
+    assert Engine(target, tiny_draft(target, block_size=6)).generate([5, 17, 33, 2], cfg).token_ids == plain
+
+
+@needs_few_rows
+def test_a_bf16_drafter_on_a_cpu_without_native_bf16_stores_bf16_and_computes_fp32(monkeypatch):
+    monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: False)
+    assert draft_precision(CPU, torch.bfloat16) == (torch.float32, torch.bfloat16)
+    assert draft_precision(CPU, torch.float32) == (torch.float32, None)
+    assert fast_draft_dtype(CPU, torch.float32) == torch.bfloat16
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=6)
+    cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
+    engine = Engine(target, draft, draft_dtype=torch.bfloat16)
+    assert draft.dtype == torch.float32 and draft.weight_storage == torch.bfloat16
+    assert draft.precision == "torch.bfloat16 weights, torch.float32 compute"
+    assert engine.generate([5, 17, 33, 2], cfg).token_ids == plain
+    head = draft.head_for(target.lm_head)
+    assert head is not target.lm_head and head.rows.forward.panels.dtype == torch.bfloat16
+    assert draft.layers[0].mlp.up_proj.forward.panels.dtype == torch.bfloat16
+    # the fused drafter computes what the drafter as written does with the same (rounded) weights
+    with torch.inference_mode():
+        out = target.forward(torch.tensor([[5, 17, 33, 2, 9]]), target.new_cache(), draft.cfg.target_layer_ids)
+        fused = draft.block_hidden(target.embed_tokens, DraftCache(len(draft.layers)), out.taps, 3, 5, 6)
+        for m in draft.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.data = m.weight.to(torch.bfloat16).float()
+        with use_packed(False):
+            written = draft.block_hidden(target.embed_tokens, DraftCache(len(draft.layers)), out.taps, 3, 5, 6)
+    assert torch.allclose(fused, written, rtol=1e-4, atol=1e-4)
