@@ -14,6 +14,12 @@ Each output is one accumulator over the input features in order, whatever the nu
 wherever a row falls in a tile: a row's result is bitwise the same in a one-token forward and in a
 block of 16, so a verify forward's linear layers compute exactly what plain decoding's do.
 
+The same extension holds the other kernels of a step's few rows: bf16-stored panels (`pack(w,
+torch.bfloat16)`, widened exactly and computed in fp32: the drafter's weights at half the bytes,
+`kernels.draft_precision`), an RMSNorm in one pass (`rms_norm`, norms.py) and the drafter's
+per-head norm and RoPE in one pass (`norm_rope`): at a few rows PyTorch's eight-odd small ops per
+norm cost their dispatch, not their arithmetic (`python scripts/forward_cost.py --norms`, `--draft`).
+
 `available()` says whether the kernel can run here; it returns False (once, with a warning) where
 the compiler, the instructions or the build are missing, and `kernels.py` then packs for oneDNN
 as before. BLOCKDRAFT_FEW_ROWS=0 turns it off.
