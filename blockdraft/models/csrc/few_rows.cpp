@@ -148,40 +148,41 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     return y;
 }
 
-// RMSNorm of each row of x [M, H] (fp32): y = w * (x / sqrt(mean(x^2) + eps)), in one pass over
-// the row where PyTorch's ops make about eight (and as many dispatches: tens of microseconds for
-// a decode step's few rows). A row's sum of squares runs in one fixed order (eight lanes, then
-// their sum), so a row's result is the same whatever M is.
+// One row's RMSNorm: out = w * (r / sqrt(mean(r^2) + eps)). The sum of squares runs in one fixed
+// order (eight lanes, then their sum), so a row's result never depends on the rows beside it.
+inline void norm_row(const float* r, const float* w, int64_t H, float eps, float* out) {
+    const int64_t H8 = H - H % 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H8; h += 8) {
+        const __m256 v = _mm256_loadu_ps(r + h);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float ss = 0.f;
+    for (int i = 0; i < 8; ++i) ss += lanes[i];
+    for (int64_t h = H8; h < H; ++h) ss += r[h] * r[h];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int64_t h = 0; h < H8; h += 8)
+        _mm256_storeu_ps(out + h, _mm256_mul_ps(_mm256_loadu_ps(w + h), _mm256_mul_ps(_mm256_loadu_ps(r + h), s)));
+    for (int64_t h = H8; h < H; ++h) out[h] = w[h] * (r[h] * inv);
+}
+
+// RMSNorm of each row of x [M, H] (fp32), in one pass over the row where PyTorch's ops make about
+// eight (and as many dispatches: tens of microseconds for a decode step's few rows).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
                 x.size(-1) == w.size(0), "rms_norm: float32 rows and a float32 weight of their width");
     x = x.contiguous();
+    w = w.contiguous();
     const int64_t H = x.size(-1), M = x.numel() / std::max<int64_t>(H, 1);
     auto y = torch::empty_like(x);
     const float* xp = x.data_ptr<float>();
-    const float* wp = w.contiguous().data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    const int64_t H8 = H - H % 8;
     at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t m = begin; m < end; ++m) {
-            const float* r = xp + m * H;
-            float* o = yp + m * H;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t h = 0; h < H8; h += 8) {
-                const __m256 v = _mm256_loadu_ps(r + h);
-                acc = _mm256_fmadd_ps(v, v, acc);
-            }
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, acc);
-            float ss = 0.f;
-            for (int i = 0; i < 8; ++i) ss += lanes[i];
-            for (int64_t h = H8; h < H; ++h) ss += r[h] * r[h];
-            const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-            const __m256 s = _mm256_set1_ps(inv);
-            for (int64_t h = 0; h < H8; h += 8)
-                _mm256_storeu_ps(o + h, _mm256_mul_ps(_mm256_loadu_ps(wp + h), _mm256_mul_ps(_mm256_loadu_ps(r + h), s)));
-            for (int64_t h = H8; h < H; ++h) o[h] = wp[h] * (r[h] * inv);
-        }
+        for (int64_t m = begin; m < end; ++m) norm_row(xp + m * H, wp, H, static_cast<float>(eps), yp + m * H);
     });
     return y;
 }
@@ -202,7 +203,8 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Ten
     const int64_t B = x.size(0), T = x.size(1), Hn = x.size(2), D = x.size(3), half = D / 2;
     auto y = torch::empty({B, Hn, T, D}, x.options());
     const float* xp = x.data_ptr<float>();
-    const float* wp = w.contiguous().data_ptr<float>();
+    w = w.contiguous();
+    const float* wp = w.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     float* yp = y.data_ptr<float>();
@@ -211,11 +213,7 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Ten
         std::vector<float> n(D);
         for (int64_t i = begin; i < end; ++i) {
             const int64_t b = i / (T * Hn), t = (i / Hn) % T, h = i % Hn;
-            const float* r = xp + i * D;
-            float ss = 0.f;
-            for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
-            const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-            for (int64_t d = 0; d < D; ++d) n[d] = wp[d] * (r[d] * inv);
+            norm_row(xp + i * D, wp, D, static_cast<float>(eps), n.data());
             const int64_t c0 = ((per_row ? b : 0) * T + t) * D;
             float* o = yp + ((b * Hn + h) * T + t) * D;
             for (int64_t d = 0; d < half; ++d) o[d] = n[d] * cp[c0 + d] - n[d + half] * sp[c0 + d];
