@@ -6,6 +6,7 @@ alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (d
     python scripts/forward_cost.py --linear       # the body's linear layers alone, by kernel and rows
     python scripts/forward_cost.py --norms        # fused RMSNorms (norms.py) against transformers' own
     python scripts/forward_cost.py --draft        # the bundled drafter's forward and head, by block and setup
+    python scripts/forward_cost.py --attention    # the target forward, few-row attention against SDPA
     python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
 """
 
@@ -117,11 +118,21 @@ def norms_compared(target, tokens: list[int]) -> None:
     print_rows(best, tokens)
 
 
+def attention_compared(target, tokens: list[int]) -> None:
+    """The target forward with the few-row attention kernel against SDPA (alternating)."""
+    applies = kernels.few_row_attention_applies
+    best = alternating({"SDPA": lambda: setattr(kernels, "few_row_attention_applies", lambda *a: False),
+                        "few-row attention": lambda: setattr(kernels, "few_row_attention_applies", applies)},
+                       lambda: forward_ms(target, tokens), 5)
+    kernels.few_row_attention_applies = applies
+    print_rows(best, tokens)
+
+
 def draft_compared(target, blocks: list[int]) -> None:
     """The bundled drafter's forward over a block plus its head over the block's rows, at a
-    256-token context, in three setups: fp32 as written (the drafter's linear layers packed, as
-    before), with its norms and per-head norm + RoPE fused, and with bf16 weights too (the default
-    where the few-row kernel runs, kernels.draft_precision)."""
+    256-token context with two new context rows per step (a step that committed two tokens), in
+    four setups: fp32 as written (the drafter's linear layers packed, as before), with its norms and
+    per-head norm + RoPE fused, and with bf16 or int8 weights too (kernels.draft_precision)."""
     from blockdraft.decoding.engine import Engine
     from blockdraft.models.checkpoint import load_draft
     from blockdraft.models.draft import DraftCache
@@ -143,15 +154,20 @@ def draft_compared(target, blocks: list[int]) -> None:
         embed, head = target.embed_tokens, draft.head_for(target.lm_head)
         with torch.inference_mode():
             cache = DraftCache(len(draft.layers))
-            draft.block_hidden(embed, cache, taps, 0, len(ctx), 16)  # the context's K/V
-            empty = taps[:, :0]
-            step = lambda b: head(draft.block_hidden(embed, cache, empty, 0, len(ctx), b))  # noqa: E731
+            past = len(ctx) - 2
+            draft.block_hidden(embed, cache, taps[:, :past], 0, past, 16)  # the context's K/V
+
+            def step(b):
+                head(draft.block_hidden(embed, cache, taps[:, past:], 0, len(ctx), b))
+                cache.length = past  # the same two new rows at the next call
+
             for b in blocks:
                 step(b)
             return {b: round(1e3 * timed(lambda b=b: step(b), target.device, 15), 2) for b in blocks}
 
     best = alternating({"fp32, as written": setup(torch.float32, False), "fp32, fused": setup(torch.float32, True),
-                        "bf16 weights, fused": setup(torch.bfloat16, True)}, measure, 3)
+                        "bf16 weights, fused": setup(torch.bfloat16, True),
+                        "int8 weights, fused": setup(torch.int8, True)}, measure, 3)
     print_rows(best, blocks, "block (draft forward + head)")
 
 
@@ -189,6 +205,7 @@ def main() -> None:
     parser.add_argument("--linear", action="store_true", help="the body's linear layers alone, by kernel")
     parser.add_argument("--norms", action="store_true", help="fused RMSNorms against transformers' own")
     parser.add_argument("--draft", action="store_true", help="the bundled drafter's forward and head, by setup")
+    parser.add_argument("--attention", action="store_true", help="few-row attention against SDPA")
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN's few-row kernel choice measured streamed against in the cache")
     args = parser.parse_args()
@@ -202,6 +219,8 @@ def main() -> None:
         return norms_compared(target, tokens)
     if args.draft:
         return draft_compared(target, [b for b in tokens if b >= 2])
+    if args.attention:
+        return attention_compared(target, tokens)
     kernels_compared(target, tokens)
 
 

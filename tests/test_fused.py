@@ -1,4 +1,4 @@
-"""The few-row extension's other kernels: bf16-stored panels (the drafter's weights), the fused
+"""The few-row extension's other kernels: bf16- and int8-stored panels (the drafter's weights), the fused
 RMSNorm (norms.py) and the drafter's fused per-head norm and RoPE."""
 
 import pytest
@@ -33,8 +33,62 @@ def test_bf16_panels_widen_exactly_and_keep_rows_independent(n_in, n_out):
     assert (alone - (x @ w.T)).abs().max() > 0  # it is the rounded weight, not the fp32 one
     for m in (1, 2, 3, 5, 6, 7, 13, 16, 24):
         assert torch.equal(few_rows.linear(x[:m], panels, n_out), alone[:m]), m
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         few_rows.pack(w, torch.float16)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("n_in,n_out", [(96, 300), (37, 50), (576, 192), (5, 1)])
+def test_int8_panels_compute_the_dequantized_weight_and_keep_rows_independent(n_in, n_out):
+    """int8 panels: the float64 product of the dequantized weight (int8 times its row's scale) to
+    fp32 rounding, each row bitwise what it is alone; a row of zeros stays zeros."""
+    torch.manual_seed(n_in)
+    w = torch.randn(n_out + 1, n_in)
+    w[0] = 0.0
+    n_out += 1
+    q, scales = few_rows.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales[0] == 0 and bool((q[1:].abs().amax(1) == 127).all())
+    dequantized = q.double() * scales.double()[:, None]
+    assert (dequantized - w.double()).abs().max() <= scales.max() / 2 + 1e-6  # rounded to nearest
+    panels = few_rows.pack(w, torch.int8)
+    assert panels.data.dtype == torch.int8
+    x = torch.randn(24, n_in)
+    alone = torch.cat([few_rows.linear(x[i:i + 1], panels, n_out) for i in range(len(x))])
+    exact = (x.double() @ dequantized.T).float()
+    assert (alone - exact).abs().max() < 1e-4 * max(1.0, n_in ** 0.5)
+    assert torch.equal(alone[:, 0], torch.zeros(len(x)))
+    for m in (1, 2, 3, 5, 6, 7, 13, 16, 24):
+        assert torch.equal(few_rows.linear(x[:m], panels, n_out), alone[:m]), m
+
+
+@needs_few_rows
+@pytest.mark.parametrize("b,hq,hkv,t,s,d", [(1, 9, 3, 1, 300, 64), (1, 9, 3, 3, 40, 64), (2, 4, 4, 5, 37, 16),
+                                             (1, 8, 2, 16, 129, 128), (3, 2, 1, 2, 9, 24)])
+def test_few_row_attention_is_sdpa_and_each_row_sees_only_its_keys(b, hq, hkv, t, s, d):
+    """The few-row attention equals SDPA (to fp32 rounding) on cache views with spare room, with and
+    without a mask; each row equals its query alone against its visible keys only, bit for bit (a
+    tree's node against its path, a block's row against a one-token step); no visible key: zeros."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(t * s)
+    q = torch.randn(b, hq, t, d)
+    k_buf, v_buf = torch.randn(b, hkv, s + 7, d), torch.randn(b, hkv, s + 7, d)
+    k, v = k_buf[:, :, :s], v_buf[:, :, :s]  # strided views, as a cache's buffer gives
+    mask = torch.rand(b, 1, t, s) > 0.4
+    mask[..., 0] = True
+    ours = few_rows.attention(q, k, v, mask)
+    assert ours.shape == (b, t, hq, d)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    everything = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(few_rows.attention(q, k, v), everything, atol=1e-5, rtol=1e-5)
+    for r in range(b):
+        for i in range(t):
+            seen = mask[r, 0, i].nonzero()[:, 0]
+            alone = few_rows.attention(q[r:r + 1, :, i:i + 1], k[r:r + 1, :, seen], v[r:r + 1, :, seen])
+            assert torch.equal(alone[0, 0], ours[r, i]), (r, i)
+    mask[0, 0, 0] = False
+    assert torch.equal(few_rows.attention(q, k, v, mask)[0, 0], torch.zeros(hq, d))
 
 
 @needs_few_rows
@@ -118,30 +172,51 @@ def test_fused_norms_keep_speculative_output_identical(kind):
     assert Engine(target, tiny_draft(target, block_size=6)).generate([5, 17, 33, 2], cfg).token_ids == plain
 
 
+def _stored(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """The weight that panels of this storage hold, in fp32."""
+    if storage == torch.bfloat16:
+        return weight.to(torch.bfloat16).float()
+    q, scales = few_rows.quantize_int8(weight)
+    return q.float() * scales[:, None]
+
+
 @needs_few_rows
-def test_a_bf16_drafter_on_a_cpu_without_native_bf16_stores_bf16_and_computes_fp32(monkeypatch):
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
+def test_a_drafter_with_bf16_or_int8_weights_keeps_greedy_output_and_computes_them_in_fp32(storage, monkeypatch):
+    """On a CPU without native bf16 (forced here), bf16 means bf16 weights computed in fp32, `auto`
+    picks it beside an fp32 target; int8 weights likewise. Greedy output stays plain decoding's,
+    and the fused drafter computes what the drafter as written does with the same stored weights."""
     monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: False)
-    assert draft_precision(CPU, torch.bfloat16) == (torch.float32, torch.bfloat16)
+    assert draft_precision(CPU, storage) == (torch.float32, storage)
     assert draft_precision(CPU, torch.float32) == (torch.float32, None)
     assert fast_draft_dtype(CPU, torch.float32) == torch.bfloat16
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=6)
     cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
     plain = Engine(target).generate([5, 17, 33, 2], cfg).token_ids
-    engine = Engine(target, draft, draft_dtype=torch.bfloat16)
-    assert draft.dtype == torch.float32 and draft.weight_storage == torch.bfloat16
-    assert draft.precision == "torch.bfloat16 weights, torch.float32 compute"
+    engine = Engine(target, draft, draft_dtype=storage)
+    assert draft.dtype == torch.float32 and draft.weight_storage == storage
+    assert draft.precision == f"{storage} weights, torch.float32 compute"
     assert engine.generate([5, 17, 33, 2], cfg).token_ids == plain
     head = draft.head_for(target.lm_head)
-    assert head is not target.lm_head and head.rows.forward.panels.dtype == torch.bfloat16
-    assert draft.layers[0].mlp.up_proj.forward.panels.dtype == torch.bfloat16
-    # the fused drafter computes what the drafter as written does with the same (rounded) weights
+    assert head is not target.lm_head
+    for layer in (head.rows, draft.layers[0].mlp.up_proj, draft.layers[0].self_attn.q_proj):
+        panels = layer.forward.panels
+        assert (panels.data if isinstance(panels, few_rows.Int8Panels) else panels).dtype == storage
     with torch.inference_mode():
         out = target.forward(torch.tensor([[5, 17, 33, 2, 9]]), target.new_cache(), draft.cfg.target_layer_ids)
         fused = draft.block_hidden(target.embed_tokens, DraftCache(len(draft.layers)), out.taps, 3, 5, 6)
         for m in draft.modules():
             if isinstance(m, nn.Linear):
-                m.weight.data = m.weight.to(torch.bfloat16).float()
+                m.weight.data = _stored(m.weight, storage)
         with use_packed(False):
             written = draft.block_hidden(target.embed_tokens, DraftCache(len(draft.layers)), out.taps, 3, 5, 6)
     assert torch.allclose(fused, written, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_drafter_weights_are_refused_where_the_few_row_kernel_cannot_run(monkeypatch):
+    from blockdraft.errors import BlockdraftError
+
+    monkeypatch.setattr(few_rows, "runs_on", lambda device, dtype: False)
+    with pytest.raises(BlockdraftError, match="int8 drafter weights need the few-row kernel"):
+        draft_precision(CPU, torch.int8)

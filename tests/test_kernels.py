@@ -235,25 +235,38 @@ def test_dtype_flags_are_checked():
         build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float8"])
     args = build_parser().parse_args(["bench", "--dtype", "bfloat16", "--draft-dtype", "float32"])
     assert args.dtype == "bfloat16" and args.draft_dtype == "float32"
+    assert build_parser().parse_args(["bench", "--draft-dtype", "int8"]).draft_dtype == "int8"
+    with pytest.raises(SystemExit):  # int8 is for the drafter's weights only
+        build_parser().parse_args(["bench", "--dtype", "int8"])
 
 
 def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask(monkeypatch):
     """The masked attention of a grouped-query target (4 query heads over 2 K/V heads here) shares
-    K/V heads in the kernel instead of copying them per group: the same logits, bit for bit."""
+    K/V heads in the kernel instead of copying them per group: the same logits, bit for bit (where
+    the few-row attention kernel does not take the call: to fp32 rounding where it does)."""
     target = tiny_target("llama")
     assert target.model.config._attn_implementation == SHARED_KV_ATTENTION
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 12), generator=gen)
     mask = torch.ones(12, 12, dtype=torch.bool).tril().repeat(3, 1, 1)  # [B, T, T]
     mask &= (torch.rand(3, 12, 12, generator=gen) > 0.3) | torch.eye(12, dtype=torch.bool)  # holes, never a row without keys
-    with torch.inference_mode():
-        ours = target.model(ids, attention_mask=mask[:, None]).logits
-        target.model.set_attn_implementation("sdpa")
+
+    def logits(implementation):
+        target.model.set_attn_implementation(implementation)
         try:
-            theirs = target.model(ids, attention_mask=mask[:, None]).logits
+            with torch.inference_mode():
+                return target.model(ids, attention_mask=mask[:, None]).logits
         finally:
             target.model.set_attn_implementation(SHARED_KV_ATTENTION)
-    assert torch.equal(ours, theirs)
+
+    theirs = logits("sdpa")
+    if few_rows.available():
+        kernel, used = few_rows.attention, []
+        monkeypatch.setattr(few_rows, "attention", lambda *a: used.append(1) or kernel(*a))
+        assert torch.allclose(logits(SHARED_KV_ATTENTION), theirs, atol=1e-5, rtol=1e-5)
+        assert len(used) == target.num_layers
+    monkeypatch.setattr("blockdraft.models.kernels.few_row_attention_applies", lambda *a: False)
+    assert torch.equal(logits(SHARED_KV_ATTENTION), theirs)
     calls = []
     import transformers.integrations.sdpa_attention as sdpa
 

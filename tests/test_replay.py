@@ -123,3 +123,27 @@ def test_cli_tau_reports_a_consistent_histogram(tmp_path, capsys):
     assert sum(k * c for k, c in enumerate(hist, 1)) == d["acceptance_lengths_total"] == 39  # the first is the prefill's
     assert abs(d["tau"] - 39 / d["steps"]) < 1e-3
     assert "steps by tokens committed" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_tau_replays_the_drafter_as_the_engine_runs_it(tmp_path):
+    """`tau --draft-dtype int8`: the drafter with int8 weights computed in fp32, as the engine runs it
+    (recorded in the report); the same prompt's tau stays close to the drafter as loaded."""
+    from blockdraft.cli import bundled_drafter, main
+    from blockdraft.models import few_rows
+
+    if bundled_drafter("smollm2-135m") is None or not few_rows.available():
+        pytest.skip("no bundled drafter or no few-row kernel")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Write a Python function that adds two numbers."}\n')
+    reports = {}
+    for dtype in (None, "int8"):
+        out = tmp_path / f"tau-{dtype}.json"
+        argv = ["tau", "--dataset", str(prompts), "--max-new-tokens", "40", "--block-size", "8",
+                "--references", str(tmp_path / "refs.json"), "--json", str(out), "--device", "cpu"]
+        assert main(argv + (["--draft-dtype", dtype] if dtype else [])) == 0
+        (reports[dtype],) = json.loads(out.read_text())["drafters"].values()
+    assert reports[None]["draft_precision"] == "torch.float32"
+    assert reports["int8"]["draft_precision"] == "torch.int8 weights, torch.float32 compute"
+    assert reports["int8"]["acceptance_lengths_total"] == 39
+    assert abs(reports["int8"]["tau"] - reports[None]["tau"]) < 0.5 * reports[None]["tau"]

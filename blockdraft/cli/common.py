@@ -45,14 +45,15 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_DTYPES = DTYPES + ("int8",)  # int8: the drafter's weights only, computed in fp32 (kernels.draft_precision)
 
 
-def parse_dtype(name: str):
+def parse_dtype(name: str, choices: tuple = DTYPES):
     """'auto' -> None (the default for the device), else the torch dtype of that name."""
     import torch
 
-    if name not in DTYPES:
-        raise BlockdraftError(f"unknown dtype {name!r}; choose from {list(DTYPES)}")
+    if name not in choices:
+        raise BlockdraftError(f"unknown dtype {name!r}; choose from {list(choices)}")
     return None if name == "auto" else getattr(torch, name)
 
 
@@ -68,7 +69,7 @@ def load_engine(target: str, draft: str | None, device: str | None = None, dtype
 
     if draft is not None and draft != "none" and not Path(draft).exists():
         raise BlockdraftError(f"drafter checkpoint {draft!r} does not exist")
-    target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype)
+    target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype, DRAFT_DTYPES)
     tgt = load_target(target, device=device, dtype=target_dtype)
     path = bundled_drafter(target) if draft is None else (None if draft == "none" else Path(draft))
     drafter = load_draft(path, device=tgt.device, dtype=tgt.dtype) if path else None
@@ -79,9 +80,10 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the target's dtype (auto: float32 on the CPU, exact; bfloat16 on CUDA). bf16 on the CPU "
                         "is an opt-in whose speculative output may differ from plain bf16 decoding (see docs)")
-    p.add_argument("--draft-dtype", default="auto", choices=DTYPES,
-                   help="the drafter's dtype; it cannot change the output (auto: bfloat16 where this CPU has "
-                        "native bf16 kernels or on CUDA, else the target's)")
+    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES,
+                   help="the drafter's dtype; it cannot change the output (auto: see kernels.fast_draft_dtype; "
+                        "on a CPU with the few-row kernel, bfloat16 and int8 store the drafter's weights in "
+                        "that type and compute in float32)")
 
 
 def add_lookup_arg(p: argparse.ArgumentParser) -> None:

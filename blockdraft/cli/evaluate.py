@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import BlockdraftError
-from .common import add_dtype_args, bundled_drafter, load_engine
+from .common import DRAFT_DTYPES, add_dtype_args, bundled_drafter, load_engine
 
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
@@ -76,8 +76,11 @@ def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_ne
 
 
 def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | None, max_new_tokens: int,
-            block_size: int | None, references: str | None, as_json: str | None, device: str | None) -> None:
-    """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py)."""
+            block_size: int | None, references: str | None, as_json: str | None, device: str | None,
+            draft_dtype: str | None = None) -> None:
+    """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py).
+    draft_dtype: replay each drafter as the engine runs it in that dtype (its weights stored in bf16
+    or int8 where the few-row kernel runs, kernels.draft_precision); None: as loaded, in the target's."""
     from ..evaluation.datasets import load_prompts
     from ..models.checkpoint import check_fits, load_draft
     from ..decoding.engine import GenerationStats
@@ -98,6 +101,14 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
     drafters = [load_draft(path, device=tgt.device, dtype=tgt.dtype) for path in paths]
     for d in drafters:
         check_fits(d.cfg, tgt)
+    if draft_dtype is not None:
+        from .common import parse_dtype
+        from ..decoding.engine import Engine
+        from ..models.kernels import fast_draft_dtype
+
+        chosen = parse_dtype(draft_dtype, DRAFT_DTYPES) or fast_draft_dtype(tgt.device, tgt.dtype)
+        for d in drafters:
+            Engine(tgt, d, draft_dtype=chosen)
     prompts = [tgt.encode_prompt(t, tgt.has_chat_template) for t in texts]
     path = references or default_references_path(target)
     refs = reference_continuations(tgt, prompts, max_new_tokens, path)
@@ -109,7 +120,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
                       for p, r in tqdm(list(zip(prompts, refs)), desc=f"replay {path.name}", unit="prompt")]
         taus = [r.tau for r in per_prompt]
         lengths = [a for r in per_prompt for a in r.acceptance_lengths]
-        report["drafters"][name] = {"block_size": b, "tau": round(sum(taus) / len(taus), 3),
+        report["drafters"][name] = {"block_size": b, "tau": round(sum(taus) / len(taus), 3), "draft_precision": d.precision,
                                     "tau_per_prompt": [round(t, 3) for t in taus],
                                     "steps": len(lengths), "acceptance_lengths_total": sum(lengths),
                                     "acceptance_histogram": GenerationStats(acceptance_lengths=lengths).histogram(b)}
@@ -173,6 +184,9 @@ def add_parsers(sub) -> None:
                    help="cache of the target's greedy continuations (default: in the blockdraft cache)")
     r.add_argument("--json", dest="as_json", default=None, metavar="FILE")
     r.add_argument("--device", default=None)
+    r.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
+                   help="replay the drafter as the engine runs it in this dtype (bfloat16 / int8 on a CPU with the "
+                        "few-row kernel: its weights stored so, computed in float32); default: as loaded")
     r.set_defaults(run=cmd_tau)
 
     from ..evaluation.bench_serve import add_parser as add_bench_serve  # stdlib imports only, like this module

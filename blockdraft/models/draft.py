@@ -65,6 +65,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype, sc
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
     if emb.dim() == 3:
         emb = emb[:, None]  # [B, 1, T, D]: broadcast over heads
+    if factor == 1.0:  # (a decode step's few rows: every op here is mostly its dispatch)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
@@ -124,9 +126,11 @@ class DraftAttention(nn.Module):
         """K/V of context features c [B, Tc, H] (injected into this layer)."""
         return self._kv(c, cos_sin)
 
-    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None, block_rows: bool = False) -> torch.Tensor:
         """ctx_k/ctx_v: [B, Hkv, Tc, D], or a list of B such [1, Hkv, Tc_r, D] (a batch of
-        sequences, each with a context of its own: its own attention, the projections shared)."""
+        sequences, each with a context of its own: its own attention, the projections shared).
+        block_rows: their last T rows are free for the block's own K/V (a `DraftCache` view with
+        room after the context), written there instead of concatenated to a copy of the context."""
         b, t, _ = x.shape
         q = norm_rope(self.q_norm, self.q_proj(x).view(b, t, -1, self.cfg.head_dim), cos_sin)  # [B, Hq, T, D]
         k, v = self._kv(x, cos_sin)
@@ -134,17 +138,27 @@ class DraftAttention(nn.Module):
             out = torch.cat([self._attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], ctx_k[r], ctx_v[r], None)
                              for r in range(b)])
         else:
-            out = self._attend(q, k, v, ctx_k, ctx_v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            out = self._attend(q, k, v, ctx_k, ctx_v, mask, block_rows)
+        return self.o_proj(out.reshape(b, t, -1))
 
-    def _attend(self, q, k, v, ctx_k, ctx_v, mask) -> torch.Tensor:
-        k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
-        v = torch.cat([ctx_v, v], dim=2)
+    def _attend(self, q, k, v, ctx_k, ctx_v, mask, block_rows: bool = False) -> torch.Tensor:
+        """[B, T, Hq, D]: the block's queries against the context's and the block's keys."""
+        if block_rows:
+            ctx_k[:, :, -k.shape[2]:] = k
+            ctx_v[:, :, -v.shape[2]:] = v
+            k, v = ctx_k, ctx_v  # [B, Hkv, Tc + T, D]
+        else:
+            k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
+            v = torch.cat([ctx_v, v], dim=2)
         if mask is None:  # inference: context then block, in position order
             mask = window_mask(q.shape[2], k.shape[2], self.causal, self.window, q.device)
+        if runs_fused(self.q_norm, q) and q.shape[-1] % 8 == 0:  # the engine's drafter: the few-row kernels' attention too
+            if mask is not None:
+                mask = mask.expand(q.shape[0], 1, *mask.shape[-2:])  # [B, 1, T, S]
+            return few_rows.attention(q, k, v, mask)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads
-        )  # [B, Hq, T, D]
+        ).transpose(1, 2)  # [B, T, Hq, D]
 
 
 class DraftMLP(nn.Module):
@@ -166,8 +180,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None, block_rows: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask, block_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -179,12 +193,13 @@ class DraftCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new context K/V [B, Hkv, n, D] after the committed ones; return the full view."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new context K/V [B, Hkv, n, D] after the committed ones; return the full view, with
+        `room` more rows after them (scratch for a block's own K/V: `DraftAttention`'s block_rows)."""
         start, n = self.length, k.shape[2]
         buf = self.k[layer]
-        if buf is None or buf.shape[2] < start + n:
-            cap = max(64, 2 * (start + n))
+        if buf is None or buf.shape[2] < start + n + room:
+            cap = max(64, 2 * (start + n + room))
             new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
             new_v = v.new_empty(new_k.shape)
             if buf is not None:
@@ -193,7 +208,7 @@ class DraftCache:
             self.k[layer], self.v[layer] = new_k, new_v
         self.k[layer][:, :, start : start + n] = k
         self.v[layer][:, :, start : start + n] = v
-        return self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
+        return self.k[layer][:, :, : start + n + room], self.v[layer][:, :, : start + n + room]
 
 
 class DraftModel(nn.Module):
@@ -274,11 +289,12 @@ class DraftModel(nn.Module):
             return self._input_fusion(x, block_positions, c, context_positions, cache, mask)
         block_rope = self.rope(block_positions, x.dtype)
         ctx_rope = self.rope(context_positions, x.dtype)
+        room = x.shape[1] if cache is not None else 0  # the block's K/V go after the context in the cache's buffer
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(c, ctx_rope)
             if cache is not None:
-                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v)
-            x = layer(x, block_rope, ctx_k, ctx_v, mask)
+                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v, room)
+            x = layer(x, block_rope, ctx_k, ctx_v, mask, block_rows=room > 0)
         if cache is not None:
             cache.length += context_taps.shape[1]
         return self.norm(x)

@@ -14,11 +14,17 @@ Each output is one accumulator over the input features in order, whatever the nu
 wherever a row falls in a tile: a row's result is bitwise the same in a one-token forward and in a
 block of 16, so a verify forward's linear layers compute exactly what plain decoding's do.
 
-The same extension holds the other kernels of a step's few rows: bf16-stored panels (`pack(w,
-torch.bfloat16)`, widened exactly and computed in fp32: the drafter's weights at half the bytes,
-`kernels.draft_precision`), an RMSNorm in one pass (`rms_norm`, norms.py) and the drafter's
-per-head norm and RoPE in one pass (`norm_rope`): at a few rows PyTorch's eight-odd small ops per
-norm cost their dispatch, not their arithmetic (`python scripts/forward_cost.py --norms`, `--draft`).
+The same extension holds the other kernels of a step's few rows: bf16- and int8-stored panels
+(`pack(w, torch.bfloat16)`, `pack(w, torch.int8)` with a scale per output feature, widened exactly
+and computed in fp32: the drafter's weights at a half or a quarter of the bytes,
+`kernels.draft_precision`), an RMSNorm in one pass (`rms_norm`, norms.py), the drafter's per-head
+norm and RoPE in one pass (`norm_rope`): at a few rows PyTorch's eight-odd small ops per norm cost
+their dispatch, not their arithmetic (`python scripts/forward_cost.py --norms`, `--draft`); and the
+attention of a step's few query rows (`attention`: the target's through `kernels._shared_kv_sdpa`,
+the drafter's in draft.py), which reads each K/V head once for the query heads that share it, in
+place in the cache, where transformers' unmasked one-token call copied K/V per query head
+(`python scripts/forward_cost.py --attention`). Its rows too are computed alone: a row's output
+depends only on its query and the keys it may see.
 
 `available()` says whether the kernel can run here; it returns False (once, with a warning) where
 the compiler, the instructions or the build are missing, and `kernels.py` then packs for oneDNN
@@ -31,6 +37,7 @@ import os
 import platform
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,12 +45,14 @@ import torch
 from .cpu import cpu_flags
 
 NAME = "blockdraft_few_rows"
+NR = 16  # output features per panel (csrc/few_rows.cpp)
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
 
 _ext = None
 _tried = False
+_NO_SCALES = torch.empty(0)  # float panels: no scales
 
 
 def available() -> bool:
@@ -105,19 +114,51 @@ def applies(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and runs_on(weight.device, weight.dtype)
 
 
-def pack(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Int8Panels:
+    """A weight's panels in int8 with one fp32 scale per output feature (symmetric, per row:
+    w[n, k] ~ scales[n] * data[p, k, j] for n = 16 p + j); `linear` widens the int8 exactly,
+    sums in fp32 and multiplies each output by its scale once."""
+
+    data: torch.Tensor  # [ceil(N / 16), K, 16] int8
+    scales: torch.Tensor  # [ceil(N / 16) * 16] fp32 (zeros past N)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], fp32 scales [N]): each row scaled so its largest magnitude is
+    127 (a row of zeros keeps scale 0), rounded to nearest."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    q = torch.where(scales[:, None] > 0, w / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None],
+                    torch.zeros_like(w))
+    return q.round().clamp(-127, 127).to(torch.int8), scales
+
+
+def pack(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor | Int8Panels:
     """weight [N, K] -> panels [ceil(N / 16), K, 16] (zero rows past N), the layout `linear` reads.
     storage=torch.bfloat16: the panels hold the weight rounded to bf16, half the bytes to stream;
-    `linear` widens them exactly and computes in fp32 (for the drafter, whose numerics cannot
-    change the output)."""
-    if storage not in (None, torch.float32, torch.bfloat16):
-        raise ValueError(f"few-row panels are stored in float32 or bfloat16, not {storage}")
+    storage=torch.int8: the weight quantized per output feature (`quantize_int8`), a quarter of the
+    bytes, with its scales (`Int8Panels`). `linear` widens either exactly and computes in fp32 (for
+    the drafter, whose numerics cannot change the output)."""
+    if storage not in (None, torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"few-row panels are stored in float32, bfloat16 or int8, not {storage}")
+    if storage == torch.int8:
+        q, scales = quantize_int8(weight)
+        data = _load().pack(q.contiguous())
+        padded = torch.zeros(data.shape[0] * NR, dtype=torch.float32, device=weight.device)
+        padded[: len(scales)] = scales
+        return Int8Panels(data, padded)
     return _load().pack(weight.detach().to(storage or weight.dtype).contiguous())
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight.T (+ bias) from the weight's panels (fp32 or bf16); fp32 [..., N]."""
-    y = _load().linear(x.reshape(-1, x.shape[-1]), panels, out_features)  # [rows, N]
+def linear(x: torch.Tensor, panels: torch.Tensor | Int8Panels, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) from the weight's panels (fp32, bf16 or int8); fp32 [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(panels, Int8Panels):
+        y = _load().linear(rows, panels.data, out_features, panels.scales)  # [rows, N]
+    else:
+        y = _load().linear(rows, panels, out_features, _NO_SCALES)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -133,3 +174,14 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     """Per-head RMSNorm then rotary embedding (rotate-half) in one pass: fp32 x [B, T, heads, D],
     cos/sin [1 or B, T, D] -> [B, heads, T, D] (csrc/few_rows.cpp)."""
     return _load().norm_rope(x, weight, eps, cos, sin)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+              scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of a step's few query rows, fp32: q [B, Hq, T, D] against k and v
+    [B, Hkv, S, D] (a cache's views: only D must be contiguous; Hq / Hkv query heads share each
+    K/V head), `mask` [B, 1 or Hq, T, S] bool (True = may attend; None: every row sees every
+    key). Returns [B, T, Hq, D]. A row's visible keys are read in order and nothing else enters its
+    sums: its output equals the same query decoded alone against those keys (csrc/few_rows.cpp)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _load().attention(q, k, v, _NO_SCALES if mask is None else mask, float(scale))

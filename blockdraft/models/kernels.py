@@ -216,9 +216,10 @@ def kernel_timings(weight: torch.Tensor, rows: int) -> dict:
 
 def prepack(module: nn.Module, storage: torch.dtype | None = None) -> int:
     """Give every `nn.Linear` under `module` the packed forward (idempotent; the packing itself
-    happens at each layer's first call); returns how many layers now have it. storage=torch.bfloat16:
-    where the few-row kernel runs, the layers' panels hold their weights rounded to bf16 (computed
-    in fp32; only for a model whose numerics cannot change the output: the drafter)."""
+    happens at each layer's first call); returns how many layers now have it. storage=torch.bfloat16
+    or torch.int8: where the few-row kernel runs, the layers' panels hold their weights rounded to
+    bf16 or quantized to int8 (computed in fp32; only for a model whose numerics cannot change the
+    output: the drafter)."""
     count = 0
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
@@ -253,6 +254,9 @@ def _shared_kv_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     K/V first. query [B, Hq, T, D], key/value [B, Hkv, S, D]; returns [B, T, Hq, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if few_row_attention_applies(query, key, value, attention_mask, dropout, kwargs):
+        mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]  # [B, 1, T, S]
+        return few_rows.attention(query, key, value, mask, scaling), None
     if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or key.device.type != "cpu" \
             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") \
             or not _packed_enabled():  # use_packed(False): transformers as it is
@@ -262,6 +266,21 @@ def _shared_kv_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def few_row_attention_applies(query, key, value, attention_mask, dropout, kwargs) -> bool:
+    """Whether a transformers attention call is one `few_rows.attention` computes as SDPA would: a
+    step's few fp32 rows on the CPU, a bool mask (or a single row seeing the whole cache), no
+    dropout, no position bias. Every decode step's attention then runs it, one token or a block,
+    so a block's rows compute what one-token rows do; a prompt's prefill keeps SDPA."""
+    rows = query.shape[2]
+    return _packed_enabled() and query.device.type == "cpu" and query.dtype == torch.float32 \
+        and key.dtype == torch.float32 and value.dtype == torch.float32 and rows <= few_rows.MAX_ROWS \
+        and query.shape[-1] % 8 == 0 and query.shape[-1] <= 512 and key.shape[-1] == value.shape[-1] == query.shape[-1] \
+        and query.shape[1] % key.shape[1] == 0 and key.shape[1] == value.shape[1] and not dropout \
+        and kwargs.get("position_bias") is None and not kwargs.get("output_attentions") \
+        and (attention_mask.dtype == torch.bool if attention_mask is not None else rows == 1) \
+        and few_rows.available()
 
 
 def share_kv_heads(model: nn.Module) -> bool:
@@ -325,7 +344,16 @@ def draft_precision(device: torch.device, dtype: torch.dtype) -> tuple[torch.dty
     """(compute dtype, few-row weight storage or None) of a drafter asked to run in `dtype`. bf16 on
     a CPU without native bf16 but with the few-row kernel: the linear layers' weights rounded to
     bf16 (half the bytes a step streams) and everything computed in fp32, where emulated bf16
-    arithmetic would be slower (`python scripts/forward_cost.py --linear`)."""
+    arithmetic would be slower (`python scripts/forward_cost.py --linear`). int8: the weights
+    quantized per output feature (a quarter of the bytes), computed in fp32; only where the
+    few-row kernel runs."""
+    if dtype == torch.int8:
+        if not few_rows.runs_on(device, torch.float32):
+            from ..errors import BlockdraftError
+
+            raise BlockdraftError("int8 drafter weights need the few-row kernel: an x86 CPU with AVX2 and FMA and "
+                                  "a C++ compiler (choose another --draft-dtype)")
+        return torch.float32, torch.int8
     if dtype == torch.bfloat16 and not native_bf16_packing(device) and few_rows.runs_on(device, torch.float32):
         return torch.float32, torch.bfloat16
     return dtype, None

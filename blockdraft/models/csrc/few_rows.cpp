@@ -1,4 +1,6 @@
 // y[M, N] = x[M, K] . W[N, K]^T for few rows M (a decode step's block or tree), fp32, AVX2 + FMA.
+// W may be stored in bf16 or in int8 with a scale per output feature (a drafter's weights: fewer
+// bytes to stream); both are widened to fp32 exactly and summed in fp32.
 //
 // W is packed once into panels of 16 output features, k-major: panel p holds W[16p .. 16p+15, :]
 // as [K][16] (zero rows past N), so one panel is one sequential stream from memory. Each output
@@ -26,7 +28,7 @@ constexpr int64_t NR = 16;  // output features per panel: two AVX2 vectors
 #define BD_ROWS(DO) BD_ROW(0, DO) BD_ROW(1, DO) BD_ROW(2, DO) BD_ROW(3, DO) BD_ROW(4, DO) BD_ROW(5, DO)
 #define BD_DECL(i, v) __m256 a##i##v = _mm256_setzero_ps();
 #define BD_FMA(i, v) if constexpr (MR > i && NV > v) a##i##v = _mm256_fmadd_ps(xi, w##v, a##i##v);
-#define BD_STORE(i, v) if constexpr (MR > i && NV > v) store(y + i * ldy, n0 + 8 * v, N, a##i##v);
+#define BD_STORE(i, v) if constexpr (MR > i && NV > v) store(y + i * ldy, n0 + 8 * v, N, scaled(a##i##v, scale, n0 + 8 * v));
 #define BD_LOAD(v) const __m256 w##v = NV > v ? load8(panels + (v / 2) * stride + k * NR + 8 * (v % 2)) : zero;
 // row i: its x[i, k] broadcast just before its FMAs (all six broadcast first would need 20 registers)
 #define BD_STEP(i) if constexpr (MR > i) { const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k); BD_ROW(i, BD_FMA) }
@@ -37,6 +39,16 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Eight int8 weights as fp32 (exact); their row's scale multiplies the sum once, at the store.
+inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// An int8 weight's outputs times their rows' scales (float panels: none, the sums as they are).
+inline __m256 scaled(__m256 v, const float* scale, int64_t n) {
+    return scale == nullptr ? v : _mm256_mul_ps(v, _mm256_loadu_ps(scale + n));
 }
 
 inline void store(float* row, int64_t n, int64_t N, __m256 v) {
@@ -51,7 +63,7 @@ inline void store(float* row, int64_t n, int64_t N, __m256 v) {
 
 template <int MR, int NP, bool PREFETCH, typename T>
 inline void tile(const float* x, int64_t ldx, const T* panels, int64_t K, float* y, int64_t ldy,
-                 int64_t n0, int64_t N) {
+                 int64_t n0, int64_t N, const float* scale) {
     constexpr int NV = 2 * NP;
     static_assert(MR <= 6 && NV <= 8 && MR * NV <= 12, "accumulators must fit the registers");
     const __m256 zero = _mm256_setzero_ps();
@@ -68,31 +80,33 @@ inline void tile(const float* x, int64_t ldx, const T* panels, int64_t K, float*
 }
 
 template <int MR, int NP, typename T>
-inline void rest(const float* x, int64_t K, const T* panels, float* y, int64_t N, int64_t n0, bool first) {
+inline void rest(const float* x, int64_t K, const T* panels, float* y, int64_t N, int64_t n0, bool first,
+                 const float* scale) {
     if constexpr (MR * NP <= 6) {
-        if (first) tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N);
-        else tile<MR, NP, false, T>(x, K, panels, K, y, N, n0, N);
+        if (first) tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N, scale);
+        else tile<MR, NP, false, T>(x, K, panels, K, y, N, n0, N, scale);
     }
 }
 
 // All rows of x against NP panels starting at panel p0, in tiles of 6 / NP rows.
 template <int NP, typename T>
-void rows_x_panels(const float* x, int64_t M, int64_t K, const T* packed, int64_t p0, float* y, int64_t N) {
+void rows_x_panels(const float* x, int64_t M, int64_t K, const T* packed, int64_t p0, float* y, int64_t N,
+                   const float* scale) {
     constexpr int MR = 6 / NP;
     const T* panels = packed + p0 * K * NR;
     const int64_t n0 = p0 * NR;
     int64_t m = 0;
     if (M >= MR) {  // the first tile prefetches the next panels; the rest read these from the cache
-        tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N);
+        tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N, scale);
         m = MR;
     }
-    for (; m + MR <= M; m += MR) tile<MR, NP, false, T>(x + m * K, K, panels, K, y + m * N, N, n0, N);
+    for (; m + MR <= M; m += MR) tile<MR, NP, false, T>(x + m * K, K, panels, K, y + m * N, N, n0, N, scale);
     switch (M - m) {
-        case 5: rest<5, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 4: rest<4, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 3: rest<3, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 2: rest<2, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
-        case 1: rest<1, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0); break;
+        case 5: rest<5, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 4: rest<4, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 3: rest<3, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 2: rest<2, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 1: rest<1, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
         default: break;
     }
 }
@@ -101,10 +115,12 @@ void rows_x_panels(const float* x, int64_t M, int64_t K, const T* packed, int64_
 
 bool supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// W [N, K] -> [ceil(N / 16), K, 16], zero-padded, in W's dtype (fp32, or bf16 for `linear` to widen).
+// W [N, K] -> [ceil(N / 16), K, 16], zero-padded, in W's dtype (fp32, or bf16 or int8 for `linear`
+// to widen).
 torch::Tensor pack(torch::Tensor w) {
-    TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
-                "pack: a 2-D float32 or bfloat16 weight");
+    TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16 ||
+                                 w.scalar_type() == torch::kChar),
+                "pack: a 2-D float32, bfloat16 or int8 weight");
     const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
     auto padded = torch::zeros({P * NR, K}, w.options());
     padded.narrow(0, 0, N).copy_(w);
@@ -112,7 +128,8 @@ torch::Tensor pack(torch::Tensor w) {
 }
 
 template <typename T>
-void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* yp, int64_t N) {
+void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* yp, int64_t N,
+         const float* scale = nullptr) {
     // Panels per unit of work: at few rows, several panels at once keep enough independent
     // accumulator chains in flight (an FMA's latency is four of its issue slots).
     const int64_t np = M == 1 ? 4 : (M == 2 ? 3 : (M <= 3 ? 2 : 1));
@@ -122,17 +139,18 @@ void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* y
             int64_t p = u * np;
             const int64_t stop = std::min(P, p + np);
             if (stop - p == np) {
-                if (np == 4) { rows_x_panels<4, T>(xp, M, K, wp, p, yp, N); continue; }
-                if (np == 3) { rows_x_panels<3, T>(xp, M, K, wp, p, yp, N); continue; }
-                if (np == 2) { rows_x_panels<2, T>(xp, M, K, wp, p, yp, N); continue; }
+                if (np == 4) { rows_x_panels<4, T>(xp, M, K, wp, p, yp, N, scale); continue; }
+                if (np == 3) { rows_x_panels<3, T>(xp, M, K, wp, p, yp, N, scale); continue; }
+                if (np == 2) { rows_x_panels<2, T>(xp, M, K, wp, p, yp, N, scale); continue; }
             }
-            for (; p < stop; ++p) rows_x_panels<1, T>(xp, M, K, wp, p, yp, N);
+            for (; p < stop; ++p) rows_x_panels<1, T>(xp, M, K, wp, p, yp, N, scale);
         }
     });
 }
 
-// x [M, K] fp32 against packed panels (fp32 or bf16) -> y [M, N] fp32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+// x [M, K] fp32 against packed panels (fp32, bf16, or int8 with a scale per output row in `scales`,
+// [P * 16] fp32; an empty tensor otherwise) -> y [M, N] fp32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor scales) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear: 2-D float32 rows");
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(1) == x.size(1) && packed.is_contiguous(),
                 "linear: a weight packed for this input width");
@@ -140,7 +158,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "linear: N does not match the packed weight");
     auto y = torch::empty({M, N}, x.options());
-    if (packed.scalar_type() == torch::kBFloat16)
+    if (packed.scalar_type() == torch::kChar) {
+        TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * NR,
+                    "linear: int8 panels need their rows' scales [P * 16] float32");
+        run(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), P, y.data_ptr<float>(), N, scales.data_ptr<float>());
+    } else if (packed.scalar_type() == torch::kBFloat16)
         run(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P,
             y.data_ptr<float>(), N);
     else
@@ -223,7 +245,173 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Ten
     return y;
 }
 
+// exp of eight floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n), within 2 ulp of expf for x in [-87, 88]; below that 0 (softmax scores minus their
+// maximum are <= 0). The same operations for every lane: a row's softmax never depends on where
+// its scores fall in a vector or on the rows beside it.
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762f)), lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// The sum of eight lanes in one fixed order.
+inline float hsum8(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// The scaled dot products of query row q with four keys (rows keys[0..3] of kb, `stride` apart):
+// per key, one product vector accumulated over D in order, then its eight lanes summed.
+inline void scores4(const float* q, const float* kb, int64_t stride, const int64_t* keys, int64_t V, float scale,
+                    float* out) {
+    const float* k0 = kb + keys[0] * stride;
+    const float* k1 = kb + keys[1] * stride;
+    const float* k2 = kb + keys[2] * stride;
+    const float* k3 = kb + keys[3] * stride;
+    __m256 q0 = _mm256_loadu_ps(q);
+    __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k3));
+    for (int64_t c = 1; c < V; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
+    }
+    out[0] = hsum8(a0) * scale;
+    out[1] = hsum8(a1) * scale;
+    out[2] = hsum8(a2) * scale;
+    out[3] = hsum8(a3) * scale;
+}
+
+// o = inv * sum_r p[r] v[keys[r]] over the row's n visible keys in order; VC vectors of 8 (0: V, at run time).
+template <int VC>
+inline void weighted_sum(const float* p, const int64_t* keys, int64_t n, const float* vb, int64_t vstride, float inv,
+                         float* o, int64_t V = VC) {
+    constexpr int R = VC > 0 ? VC : 64;
+    __m256 acc[R];
+    const int64_t nv = VC > 0 ? VC : V;
+    for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+        const float* vr = vb + keys[r] * vstride;
+        const __m256 w = _mm256_set1_ps(p[r]);
+        for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    }
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], iv));
+}
+
+// Attention of a decode step's few query rows: q [B, Hq, T, D], k and v [B, Hkv, S, D] (views of a
+// cache's buffer: any strides over B, heads and S, unit stride over D), each K/V head shared by
+// Hq / Hkv query heads; `mask` [B, 1 or Hq, T, S] bool (True = may attend), or an empty tensor
+// when every row sees every key. Returns [B, T, Hq, D] (what transformers' attention functions
+// return). A row's visible keys are gathered in key order, then scored, softmaxed and summed in
+// that order: its output depends on its query and the keys it sees, not on the rows beside it nor
+// on masked keys between them (a tree's row equals the same token decoded alone after its path).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kFloat32 &&
+                k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+                "attention: float32 q [B, Hq, T, D], k and v [B, Hkv, S, D]");
+    const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+    const int64_t Hkv = k.size(1), S = k.size(2);
+    TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+                v.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && D <= 512,
+                "attention: shapes do not match (D a multiple of 8, Hq a multiple of Hkv)");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attention: k and v contiguous in D");
+    const bool masked = mask.numel() > 0;
+    if (masked)
+        TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == torch::kBool && mask.size(0) == B &&
+                    (mask.size(1) == 1 || mask.size(1) == Hq) && mask.size(2) == T && mask.size(3) == S,
+                    "attention: a bool mask [B, 1 or Hq, T, S]");
+    q = q.contiguous();
+    auto out = torch::empty({B, T, Hq, D}, q.options());
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const int64_t group = Hq / Hkv, V = D / 8;
+    const auto ks = k.strides(), vs = v.strides();
+    const auto ms = masked ? mask.strides() : k.strides();  // (unused unmasked)
+    const bool mask_heads = masked && mask.size(1) == Hq;
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, B * Hq * T, 4, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> keys(S);
+        std::vector<float> p(S + 8);
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t b = i / (Hq * T), h = (i / T) % Hq, t = i % T, g = h / group;
+            const float* qr = qp + ((b * Hq + h) * T + t) * D;
+            const float* kb = kp + b * ks[0] + g * ks[1];
+            const float* vb = vp + b * vs[0] + g * vs[1];
+            int64_t n = 0;
+            if (masked) {
+                const bool* mr = mp + b * ms[0] + (mask_heads ? h * ms[1] : 0) + t * ms[2];
+                for (int64_t j = 0; j < S; ++j) if (mr[j * ms[3]]) keys[n++] = j;
+            } else {
+                for (int64_t j = 0; j < S; ++j) keys[n++] = j;
+            }
+            float* o = op + ((b * T + t) * Hq + h) * D;
+            if (n == 0) {  // nothing visible: zeros (SDPA would give NaN)
+                for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+                continue;
+            }
+            // scores, four keys at a time (independent chains in flight); each key's own
+            // operations are the same wherever it falls in a group of four
+            int64_t j0 = 0;
+            for (; j0 + 4 <= n; j0 += 4)
+                scores4(qr, kb, ks[2], keys.data() + j0, V, sc, p.data() + j0);
+            for (; j0 < n; ++j0) {
+                const int64_t same[4] = {keys[j0], keys[j0], keys[j0], keys[j0]};
+                float out4[4];
+                scores4(qr, kb, ks[2], same, V, sc, out4);
+                p[j0] = out4[0];
+            }
+            float m = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
+            const __m256 mv = _mm256_set1_ps(m);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), mv));
+                _mm256_storeu_ps(p.data() + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            if (j < n) {  // the tail, padded with -inf (exp 0)
+                alignas(32) float tail[8];
+                for (int64_t c = 0; c < 8; ++c) tail[c] = j + c < n ? p[j + c] : -INFINITY;
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv));
+                _mm256_storeu_ps(p.data() + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            const float inv = 1.f / hsum8(sum);
+            switch (V) {  // the row's accumulators in registers where D is a common head size
+                case 4: weighted_sum<4>(p.data(), keys.data(), n, vb, vs[2], inv, o); break;
+                case 8: weighted_sum<8>(p.data(), keys.data(), n, vb, vs[2], inv, o); break;
+                case 16: weighted_sum<16>(p.data(), keys.data(), n, vb, vs[2], inv, o); break;
+                default: weighted_sum<0>(p.data(), keys.data(), n, vb, vs[2], inv, o, V);
+            }
+        }
+    });
+    return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("attention", &attention);
     m.def("norm_rope", &norm_rope);
     m.def("rms_norm", &rms_norm);
     m.def("supported", &supported);
