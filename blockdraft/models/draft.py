@@ -152,7 +152,7 @@ class DraftAttention(nn.Module):
             v = torch.cat([ctx_v, v], dim=2)
         if mask is None:  # inference: context then block, in position order
             mask = window_mask(q.shape[2], k.shape[2], self.causal, self.window, q.device)
-        if runs_fused(self.q_norm, q) and q.shape[-1] % 8 == 0:  # the engine's drafter: the few-row kernels' attention too
+        if runs_fused(self.q_norm, q) and few_rows.attention_fits(q, k, v):  # the engine's drafter: the few-row attention too
             if mask is not None:
                 mask = mask.expand(q.shape[0], 1, *mask.shape[-2:])  # [B, 1, T, S]
             return few_rows.attention(q, k, v, mask)

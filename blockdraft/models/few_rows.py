@@ -52,7 +52,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: ATen's parallel_for sp
 
 _ext = None
 _tried = False
-_NO_SCALES = torch.empty(0)  # float panels: no scales
+_NONE = torch.empty(0)  # the extension's "no tensor": float panels' scales, an unmasked attention's mask
 
 
 def available() -> bool:
@@ -129,8 +129,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     127 (a row of zeros keeps scale 0), rounded to nearest."""
     w = weight.detach().float()
     scales = w.abs().amax(dim=1) / 127.0
-    q = torch.where(scales[:, None] > 0, w / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None],
-                    torch.zeros_like(w))
+    q = w / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # a row of zeros stays zeros
     return q.round().clamp(-127, 127).to(torch.int8), scales
 
 
@@ -158,7 +157,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor | Int8Panels, out_features: int
     if isinstance(panels, Int8Panels):
         y = _load().linear(rows, panels.data, out_features, panels.scales)  # [rows, N]
     else:
-        y = _load().linear(rows, panels, out_features, _NO_SCALES)
+        y = _load().linear(rows, panels, out_features, _NONE)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -176,6 +175,15 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     return _load().norm_rope(x, weight, eps, cos, sin)
 
 
+def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `attention` takes these fp32 CPU tensors: one head size for q, k and v, a multiple of 8
+    up to 512, and whole groups of query heads per K/V head."""
+    d = q.shape[-1]
+    return q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and d % 8 == 0 \
+        and d <= 512 and k.shape[-1] == v.shape[-1] == d and k.shape[1] == v.shape[1] \
+        and q.shape[1] % k.shape[1] == 0 and available()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
               scale: float | None = None) -> torch.Tensor:
     """Softmax attention of a step's few query rows, fp32: q [B, Hq, T, D] against k and v
@@ -184,4 +192,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     key). Returns [B, T, Hq, D]. A row's visible keys are read in order and nothing else enters its
     sums: its output equals the same query decoded alone against those keys (csrc/few_rows.cpp)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _load().attention(q, k, v, _NO_SCALES if mask is None else mask, float(scale))
+    return _load().attention(q, k, v, _NONE if mask is None else mask, float(scale))

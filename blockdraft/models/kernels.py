@@ -274,13 +274,10 @@ def few_row_attention_applies(query, key, value, attention_mask, dropout, kwargs
     dropout, no position bias. Every decode step's attention then runs it, one token or a block,
     so a block's rows compute what one-token rows do; a prompt's prefill keeps SDPA."""
     rows = query.shape[2]
-    return _packed_enabled() and query.device.type == "cpu" and query.dtype == torch.float32 \
-        and key.dtype == torch.float32 and value.dtype == torch.float32 and rows <= few_rows.MAX_ROWS \
-        and query.shape[-1] % 8 == 0 and query.shape[-1] <= 512 and key.shape[-1] == value.shape[-1] == query.shape[-1] \
-        and query.shape[1] % key.shape[1] == 0 and key.shape[1] == value.shape[1] and not dropout \
+    return _packed_enabled() and rows <= few_rows.MAX_ROWS and not dropout \
         and kwargs.get("position_bias") is None and not kwargs.get("output_attentions") \
         and (attention_mask.dtype == torch.bool if attention_mask is not None else rows == 1) \
-        and few_rows.available()
+        and few_rows.attention_fits(query, key, value)
 
 
 def share_kv_heads(model: nn.Module) -> bool:
