@@ -126,30 +126,36 @@ class DraftAttention(nn.Module):
         """K/V of context features c [B, Tc, H] (injected into this layer)."""
         return self._kv(c, cos_sin)
 
-    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None, block_rows: bool = False) -> torch.Tensor:
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
         """ctx_k/ctx_v: [B, Hkv, Tc, D], or a list of B such [1, Hkv, Tc_r, D] (a batch of
-        sequences, each with a context of its own: its own attention, the projections shared).
-        block_rows: their last T rows are free for the block's own K/V (a `DraftCache` view with
-        room after the context), written there instead of concatenated to a copy of the context."""
+        sequences, each with a context of its own: its own attention, the projections shared)."""
         b, t, _ = x.shape
         q = norm_rope(self.q_norm, self.q_proj(x).view(b, t, -1, self.cfg.head_dim), cos_sin)  # [B, Hq, T, D]
         k, v = self._kv(x, cos_sin)
         if isinstance(ctx_k, list):
-            out = torch.cat([self._attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], ctx_k[r], ctx_v[r], None)
-                             for r in range(b)])
+            out = torch.cat([self._attend(q[r:r + 1], torch.cat([ctx_k[r], k[r:r + 1]], dim=2),
+                                          torch.cat([ctx_v[r], v[r:r + 1]], dim=2), None) for r in range(b)])
         else:
-            out = self._attend(q, k, v, ctx_k, ctx_v, mask, block_rows)
+            out = self._attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
         return self.o_proj(out.reshape(b, t, -1))
 
-    def _attend(self, q, k, v, ctx_k, ctx_v, mask, block_rows: bool = False) -> torch.Tensor:
-        """[B, T, Hq, D]: the block's queries against the context's and the block's keys."""
-        if block_rows:
-            ctx_k[:, :, -k.shape[2]:] = k
-            ctx_v[:, :, -v.shape[2]:] = v
-            k, v = ctx_k, ctx_v  # [B, Hkv, Tc + T, D]
-        else:
-            k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, Tc + T, D]
-            v = torch.cat([ctx_v, v], dim=2)
+    def decode(self, x, c, cos_sin, cache: "DraftCache", layer: int) -> torch.Tensor:
+        """A decode step of one sequence: the block's rows x [1, Tb, H] and the new context features
+        c [1, Tc, H] through the K/V projections together (one call each, not one for the context
+        and one for the block). The context's K/V join `cache`, the block's follow them in its
+        buffer (scratch past its length), and the block's queries attend over all of them.
+        cos_sin: [Tc + Tb, D], the context's positions then the block's."""
+        b, tb, _ = x.shape
+        tc = c.shape[1]
+        cos, sin = cos_sin
+        q = norm_rope(self.q_norm, self.q_proj(x).view(b, tb, -1, self.cfg.head_dim), (cos[tc:], sin[tc:]))  # [1, Hq, Tb, D]
+        k, v = self._kv(torch.cat([c, x], dim=1), cos_sin)  # [1, Hkv, Tc + Tb, D] each
+        k, v = cache.append(layer, k, v)  # [1, Hkv, cached + Tc + Tb, D]: the block's rows last
+        return self.o_proj(self._attend(q, k, v, None).reshape(b, tb, -1))
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """[B, T, Hq, D]: the block's queries [B, Hq, T, D] against the keys and values
+        [B, Hkv, S, D] of the context and the block (the block's last)."""
         if mask is None:  # inference: context then block, in position order
             mask = window_mask(q.shape[2], k.shape[2], self.causal, self.window, q.device)
         if runs_fused(self.q_norm, q) and few_rows.attention_fits(q, k, v):  # the engine's drafter: the few-row attention too
@@ -180,8 +186,15 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None, block_rows: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask, block_rows)
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None):
+        return self._residuals(x, lambda h: self.self_attn(h, cos_sin, ctx_k, ctx_v, mask))
+
+    def decode(self, x, c, cos_sin, cache: "DraftCache", index: int):
+        """A decode step over a draft cache (`DraftAttention.decode`)."""
+        return self._residuals(x, lambda h: self.self_attn.decode(h, c, cos_sin, cache, index))
+
+    def _residuals(self, x, attend):
+        x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,13 +206,14 @@ class DraftCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new context K/V [B, Hkv, n, D] after the committed ones; return the full view, with
-        `room` more rows after them (scratch for a block's own K/V: `DraftAttention`'s block_rows)."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write K/V [B, Hkv, n, D] after the committed ones; return the view of all of them. Only
+        rows the caller then counts in `length` stay: a decode step's block rows are scratch
+        (`DraftAttention.decode`), written over by the next step's context."""
         start, n = self.length, k.shape[2]
         buf = self.k[layer]
-        if buf is None or buf.shape[2] < start + n + room:
-            cap = max(64, 2 * (start + n + room))
+        if buf is None or buf.shape[2] < start + n:
+            cap = max(64, 2 * (start + n))
             new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
             new_v = v.new_empty(new_k.shape)
             if buf is not None:
@@ -208,7 +222,7 @@ class DraftCache:
             self.k[layer], self.v[layer] = new_k, new_v
         self.k[layer][:, :, start : start + n] = k
         self.v[layer][:, :, start : start + n] = v
-        return self.k[layer][:, :, : start + n + room], self.v[layer][:, :, : start + n + room]
+        return self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
 
 
 class DraftModel(nn.Module):
@@ -287,14 +301,19 @@ class DraftModel(nn.Module):
         c = self.fuse(context_taps)
         if self.cfg.conditioning == "input":
             return self._input_fusion(x, block_positions, c, context_positions, cache, mask)
+        if cache is not None and mask is None and block_positions.dim() == 1:  # a decode step
+            rope = self.rope(torch.cat([context_positions, block_positions]), x.dtype)  # [Tc + Tb, D]
+            for i, layer in enumerate(self.layers):
+                x = layer.decode(x, c, rope, cache, i)
+            cache.length += c.shape[1]
+            return self.norm(x)
         block_rope = self.rope(block_positions, x.dtype)
         ctx_rope = self.rope(context_positions, x.dtype)
-        room = x.shape[1] if cache is not None else 0  # the block's K/V go after the context in the cache's buffer
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(c, ctx_rope)
             if cache is not None:
-                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v, room)
-            x = layer(x, block_rope, ctx_k, ctx_v, mask, block_rows=room > 0)
+                ctx_k, ctx_v = cache.append(i, ctx_k, ctx_v)
+            x = layer(x, block_rope, ctx_k, ctx_v, mask)
         if cache is not None:
             cache.length += context_taps.shape[1]
         return self.norm(x)

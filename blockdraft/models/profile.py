@@ -19,10 +19,14 @@ import torch
 BLOCKS = (1, 2, 4, 8, 16)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn` over `repeats` calls (synchronised on CUDA)."""
+def timed(fn: Callable[[], object], device: torch.device, repeats: int,
+          before: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn` over `repeats` calls (synchronised on CUDA); `before` runs untimed
+    ahead of each call (e.g. `evict_caches`)."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -31,6 +35,18 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+EVICT_BYTES = 256 << 20  # more than any CPU cache here, less than a target's weights stream (SmolLM2's: 540 MB)
+_EVICT: list = []
+
+
+def evict_caches() -> None:
+    """Write a buffer larger than the CPU's caches: the next call reads its weights from memory, as
+    a drafter does in a decode step, right after the target's forward and LM head streamed theirs."""
+    if not _EVICT:
+        _EVICT.append(torch.zeros(EVICT_BYTES // 4))
+    _EVICT[0].add_(1.0)
 
 
 @torch.inference_mode()
