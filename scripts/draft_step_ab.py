@@ -1,4 +1,4 @@
-"""The bundled drafter's decode step (draft forward + head + argmax, as the engine runs it) in
+"""The bundled drafter's decode step (draft forward, head, greedy tokens, as the engine runs it) in
 this working tree against the drafter code of an earlier git revision, alternating in one
 process, with the CPU's caches evicted before each call as a decode step finds them (the target's
 forward streams its weights between two draft steps). Both drafters carry the same weights and
@@ -74,7 +74,10 @@ def main() -> None:
             draft.block_hidden(embed, cache, taps[:, :past], 0, past, 16)  # the context's K/V
 
             def step(block):
-                tokens = head(draft.block_hidden(embed, cache, taps[:, past:], 0, len(ctx), block)).argmax(-1)
+                if hasattr(draft, "block_tokens"):  # greedy proposals as the engine takes them
+                    tokens = draft.block_tokens(embed, head, cache, taps[:, past:], 0, len(ctx), block)
+                else:
+                    tokens = head(draft.block_hidden(embed, cache, taps[:, past:], 0, len(ctx), block)).argmax(-1)
                 cache.length = past  # the same two new rows at the next call
                 return tokens
             return step

@@ -27,13 +27,13 @@ def record_draft_contexts(monkeypatch, draft: DraftModel) -> list[tuple[int, int
     """Spy on the draft forward: per call, (context length the draft cache will hold, position of
     the anchor). Decoding must give the drafter context up to its anchor, no more, no less."""
     seen = []
-    real = type(draft).block_logits
+    real = type(draft).block_hidden
 
-    def spy(self, embed, head, cache, taps, anchor, position, block):
+    def spy(self, embed, cache, taps, anchor, position, block):
         seen.append((cache.length + taps.shape[1], position))
-        return real(self, embed, head, cache, taps, anchor, position, block)
+        return real(self, embed, cache, taps, anchor, position, block)
 
-    monkeypatch.setattr(type(draft), "block_logits", spy)
+    monkeypatch.setattr(type(draft), "block_hidden", spy)
     return seen
 
 

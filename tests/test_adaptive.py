@@ -169,17 +169,17 @@ class SimulatedClock:
 
     def __init__(self, target, draft):
         self.now = 0.0
-        forward, block_logits = target.forward, draft.block_logits
+        forward, block_hidden = target.forward, draft.block_hidden  # (a draft block's logits or tokens: its hidden states first)
 
         def timed_forward(ids, *args, **kwargs):
             self.now += verify_cost(ids.shape[1])
             return forward(ids, *args, **kwargs)
 
-        def timed_block_logits(*args, **kwargs):
+        def timed_block_hidden(*args, **kwargs):
             self.now += DRAFT_COST
-            return block_logits(*args, **kwargs)
+            return block_hidden(*args, **kwargs)
 
-        target.forward, draft.block_logits = timed_forward, timed_block_logits
+        target.forward, draft.block_hidden = timed_forward, timed_block_hidden
 
     def __call__(self) -> float:
         return self.now

@@ -165,7 +165,7 @@ def test_the_drafter_runs_once_per_step_for_every_sequence_that_drafts():
     target = tiny_target("llama")
     engine = Engine(target, tiny_draft(target, block_size=8))
     calls = []
-    for name in ("blocks_hidden", "block_logits"):
+    for name in ("blocks_hidden", "block_hidden"):
         original = getattr(engine.draft, name)
         setattr(engine.draft, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     batch = engine.batch()

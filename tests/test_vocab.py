@@ -9,6 +9,7 @@ from blockdraft.models.checkpoint import load_draft, save_draft
 from blockdraft.cli import main
 from blockdraft.decoding.engine import Engine, GenerationConfig
 from blockdraft.errors import BlockdraftError
+from blockdraft.models.draft import DraftCache
 from blockdraft.models.vocab import VOCAB_FILE, SubsetHead, coverage, load_vocab, most_frequent, save_vocab
 
 from conftest import VOCAB, tiny_draft, tiny_target
@@ -102,6 +103,31 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     got = Engine(target, draft).generate(prompt, cfg)
     assert got.token_ids == truth
     assert proposed and set(proposed) <= set(draft.vocab_ids.tolist())
+
+
+def test_a_subset_heads_argmax_is_the_argmax_of_its_full_logits_ties_included():
+
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, 16)
+    ids = torch.tensor([2, 5, 9, 40, 41, 77])
+    weight[41] = weight[5]  # a tie inside the subset: the lower id wins, as in the full row
+    weight[3] = weight[5]  # an equal row outside the subset never scores
+    head = SubsetHead(weight, ids)
+    hidden = torch.randn(7, 16)
+    hidden[0] = weight[5]  # rows where the tied tokens win
+    full = head(hidden)
+    assert torch.equal(head.argmax(hidden), full.argmax(-1))
+    assert int(head.argmax(hidden)[0]) == 5
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=6)
+    draft.vocab_ids = torch.tensor([1, 4, 9, 33, 50])
+    with torch.inference_mode():
+        out = target.forward(torch.tensor([[5, 17, 33, 2]]), target.new_cache(), draft.cfg.target_layer_ids)
+        head = draft.head_for(target.lm_head)
+        args = (target.embed_tokens, head)
+        tokens = draft.block_tokens(*args, DraftCache(len(draft.layers)), out.taps, 2, 4, 6)
+        logits = draft.block_logits(*args, DraftCache(len(draft.layers)), out.taps, 2, 4, 6)
+    assert torch.equal(tokens, logits.argmax(-1)) and set(tokens.tolist()) <= {1, 4, 9, 33, 50}
 
 
 def test_checkpoint_with_a_subset_round_trips_and_the_reference_still_loads_it(tmp_path):

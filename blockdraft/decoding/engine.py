@@ -149,7 +149,7 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     if p.tree_budget is None:
         block = room if cap is not None and p.chain is not None else p.chain_block(room)
         if block > 1:
-            return DraftWanted(seq, block, lambda logits: p.propose_chain(logits, seq.gen))
+            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.gen), p.greedy_proposals)
         return Proposal(policy=p.chain)
     branch = p.lookup_branch(history, room)
     times.lap("lookup", clock())
@@ -263,8 +263,7 @@ class Batch:
         wanted = [p for p in proposals if isinstance(p, DraftWanted)]
         if wanted:
             t = clock()
-            drafted = {id(w): w.finish(logits) for w, logits in zip(wanted, draft_blocks(wanted, self.target,
-                                                                                        self.draft))}
+            drafted = {id(w): w.finish(out) for w, out in zip(wanted, draft_blocks(wanted, self.target, self.draft))}
             proposals = [drafted.get(id(p), p) for p in proposals]
             seconds = clock() - t  # each drafting sequence waited for the whole draft forward
             for w in wanted:

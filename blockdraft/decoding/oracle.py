@@ -39,6 +39,9 @@ class OracleDraft(DraftModel):
                 out[k, truth] = -1.0
         return out
 
+    def block_tokens(self, embed, lm_head, cache, context_taps, anchor, position, block):
+        return self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block).argmax(-1)
+
     def matching_prefix(self, embed, lm_head, cache, context_taps, anchor, position, block, truth):
         """Its own proposals, not the LM head's: the whole block, then the greedy verdict."""
         proposals = self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block).argmax(-1)

@@ -128,11 +128,12 @@ class Proposers:
     def chain_block(self, room: int) -> int:
         return min(self.chain.choose() if self.chain is not None else self.block_size, room)
 
-    def propose_chain(self, draft_logits: torch.Tensor, gen) -> Proposal:
-        """Drafts [n] from the draft logits [n, V] and, when sampled, the q they were drawn from."""
+    def propose_chain(self, drafted: torch.Tensor, gen) -> Proposal:
+        """Drafts [n]: with greedy proposals the drafter's own argmax tokens [n] (`DraftWanted.tokens`),
+        else drawn from the draft logits [n, V], with the q they were drawn from."""
         if self.greedy_proposals:
-            return Proposal(draft_logits.argmax(-1), policy=self.chain, ran_draft=True)
-        q = probs_from_logits(draft_logits, self.sampling)
+            return Proposal(drafted, policy=self.chain, ran_draft=True)
+        q = probs_from_logits(drafted, self.sampling)
         return Proposal(sample(q, gen), q, policy=self.chain, ran_draft=True)
 
     def tree_size(self, depth: int, lookup: list[int], cap: int | None = None) -> tuple[int, int]:
@@ -168,28 +169,30 @@ class DraftWanted:
 
     seq: object  # engine.Sequence
     block: int
-    finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's logits [block - 1, V]
+    finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's output for the block
+    tokens: bool = False  # that output: the drafter's greedy tokens [block - 1] (else its logits [block - 1, V])
 
 
 def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]:
-    """The drafter's logits [block - 1, V] for every sequence that wants a block: one draft
-    forward for all that want the same block size (a lone sequence runs the single-sequence
-    forward, the reference's numerics)."""
+    """The drafter's output for every sequence that wants a block (its logits [block - 1, V], or
+    its greedy tokens [block - 1]): one draft forward for all that want the same block size (a lone
+    sequence runs the single-sequence forward, the reference's numerics; its greedy tokens come
+    without the full vocabulary's logits, `DraftModel.block_tokens`)."""
     head = draft.head_for(target.lm_head)
-    logits: list[torch.Tensor | None] = [None] * len(wanted)
+    outputs: list[torch.Tensor | None] = [None] * len(wanted)
     by_block: dict[int, list[int]] = {}
     for i, w in enumerate(wanted):
         by_block.setdefault(w.block, []).append(i)
     for block, group in by_block.items():
         seqs = [wanted[i].seq for i in group]
         if len(seqs) == 1:
-            s = seqs[0]
-            out = draft.block_logits(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
-                                     s.anchor, s.position, block)[None]
-        else:
-            out = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
-                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
-                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
-        for row, i in enumerate(group):  # out: [B_block, block - 1, V]
-            logits[i] = out[row]
-    return logits
+            s, run = seqs[0], draft.block_tokens if wanted[group[0]].tokens else draft.block_logits
+            outputs[group[0]] = run(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
+                                    s.anchor, s.position, block)
+            continue
+        logits = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
+                                          [torch.cat(s.pending_taps, dim=1) for s in seqs],
+                                          [s.anchor for s in seqs], [s.position for s in seqs], block))
+        for row, i in enumerate(group):  # logits: [B_block, block - 1, V]
+            outputs[i] = logits[row].argmax(-1) if wanted[i].tokens else logits[row]
+    return outputs

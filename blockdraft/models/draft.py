@@ -402,6 +402,15 @@ class DraftModel(nn.Module):
         """The draft logits [block-1, V] of one block (see `block_hidden`)."""
         return lm_head(self.block_hidden(embed, cache, context_taps, anchor, position, block))
 
+    def block_tokens(
+        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
+        anchor: int, position: int, block: int,
+    ) -> torch.Tensor:
+        """The greedy proposals [block-1] of one block: `block_logits(...).argmax(-1)`, with a
+        subset head's argmax taken on the subset (no full-vocabulary logits to build and scan)."""
+        hidden = self.block_hidden(embed, cache, context_taps, anchor, position, block)
+        return lm_head.argmax(hidden) if hasattr(lm_head, "argmax") else lm_head(hidden).argmax(-1)
+
     @torch.inference_mode()
     def matching_prefix(
         self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,

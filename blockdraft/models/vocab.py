@@ -123,6 +123,12 @@ class SubsetHead(nn.Module):
             self.rows.weight.copy_(head_weight[self.ids])
         self.rows.weight.requires_grad_(False)
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target ids of the best-scoring rows [...]: `forward(hidden).argmax(-1)` without the
+        full vocabulary's logits (the ids are sorted, so the first best of the subset is the first
+        best of the full row, ties included)."""
+        return self.ids[self.rows(hidden).argmax(-1)]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         sub = self.rows(hidden)  # [..., V_d]
         if sub.shape[-1] == self.vocab:  # every row (a copy of the head in another dtype)
