@@ -74,8 +74,8 @@ def main() -> None:
             draft.block_hidden(embed, cache, taps[:, :past], 0, past, 16)  # the context's K/V
 
             def step(block):
-                if hasattr(draft, "block_tokens"):  # greedy proposals as the engine takes them
-                    tokens = draft.block_tokens(embed, head, cache, taps[:, past:], 0, len(ctx), block)
+                if hasattr(draft, "block_top"):  # greedy proposals as the engine takes them
+                    tokens = draft.block_top(embed, head, cache, taps[:, past:], 0, len(ctx), block, 1)[:, 0]
                 else:
                     tokens = head(draft.block_hidden(embed, cache, taps[:, past:], 0, len(ctx), block)).argmax(-1)
                 cache.length = past  # the same two new rows at the next call

@@ -105,7 +105,7 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     assert proposed and set(proposed) <= set(draft.vocab_ids.tolist())
 
 
-def test_a_subset_heads_argmax_is_the_argmax_of_its_full_logits_ties_included():
+def test_a_subset_heads_best_ids_are_those_of_its_full_logits_ties_included():
 
     torch.manual_seed(0)
     weight = torch.randn(VOCAB, 16)
@@ -116,8 +116,10 @@ def test_a_subset_heads_argmax_is_the_argmax_of_its_full_logits_ties_included():
     hidden = torch.randn(7, 16)
     hidden[0] = weight[5]  # rows where the tied tokens win
     full = head(hidden)
-    assert torch.equal(head.argmax(hidden), full.argmax(-1))
-    assert int(head.argmax(hidden)[0]) == 5
+    assert torch.equal(head.top(hidden, 1)[:, 0], full.argmax(-1))
+    assert int(head.top(hidden, 1)[0, 0]) == 5
+    assert torch.equal(full.gather(-1, head.top(hidden, 3)), full.topk(3).values)  # the same scores (tied ids in any order)
+    assert head.top(hidden, 9).shape == (7, 6)  # never past the subset: no -inf token is a candidate
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=6)
     draft.vocab_ids = torch.tensor([1, 4, 9, 33, 50])
@@ -125,9 +127,9 @@ def test_a_subset_heads_argmax_is_the_argmax_of_its_full_logits_ties_included():
         out = target.forward(torch.tensor([[5, 17, 33, 2]]), target.new_cache(), draft.cfg.target_layer_ids)
         head = draft.head_for(target.lm_head)
         args = (target.embed_tokens, head)
-        tokens = draft.block_tokens(*args, DraftCache(len(draft.layers)), out.taps, 2, 4, 6)
+        tokens = draft.block_top(*args, DraftCache(len(draft.layers)), out.taps, 2, 4, 6, 1)
         logits = draft.block_logits(*args, DraftCache(len(draft.layers)), out.taps, 2, 4, 6)
-    assert torch.equal(tokens, logits.argmax(-1)) and set(tokens.tolist()) <= {1, 4, 9, 33, 50}
+    assert torch.equal(tokens[:, 0], logits.argmax(-1)) and set(tokens.flatten().tolist()) <= {1, 4, 9, 33, 50}
 
 
 def test_checkpoint_with_a_subset_round_trips_and_the_reference_still_loads_it(tmp_path):

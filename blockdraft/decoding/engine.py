@@ -149,14 +149,15 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     if p.tree_budget is None:
         block = room if cap is not None and p.chain is not None else p.chain_block(room)
         if block > 1:
-            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.gen), p.greedy_proposals)
+            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.gen), p.top)
         return Proposal(policy=p.chain)
     branch = p.lookup_branch(history, room)
     times.lap("lookup", clock())
     depth = min(p.block_size, room) - 1  # block positions the drafter may propose
     size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
     if size > 1 and depth > 0:
-        return DraftWanted(seq, depth + 1, lambda logits: p.propose_tree(logits, seq.anchor, size, branch, seq.gen))
+        return DraftWanted(seq, depth + 1, lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen),
+                           p.top)
     return Proposal(policy=p.tree)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..models.draft import DraftModel
+from ..models.vocab import top_ids
 from .verify import verify_greedy
 
 
@@ -39,8 +40,8 @@ class OracleDraft(DraftModel):
                 out[k, truth] = -1.0
         return out
 
-    def block_tokens(self, embed, lm_head, cache, context_taps, anchor, position, block):
-        return self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block).argmax(-1)
+    def block_top(self, embed, lm_head, cache, context_taps, anchor, position, block, k):
+        return top_ids(self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block), k)
 
     def matching_prefix(self, embed, lm_head, cache, context_taps, anchor, position, block, truth):
         """Its own proposals, not the LM head's: the whole block, then the greedy verdict."""

@@ -21,6 +21,7 @@ import torch
 
 from .adaptive import AdaptiveBlockPolicy, SequenceRates, TreeBudgetPolicy
 from .lookup import lookup_proposals
+from ..models.vocab import top_ids
 from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees
 from .verify import SamplingParams, probs_from_logits, sample
 
@@ -128,11 +129,19 @@ class Proposers:
     def chain_block(self, room: int) -> int:
         return min(self.chain.choose() if self.chain is not None else self.block_size, room)
 
+    @property
+    def top(self) -> int:
+        """What a draft forward returns for these proposals (`DraftWanted.top`): greedy, the best
+        token ids (one per position for a chain, a tree's `WIDTH` candidates); sampled, logits (0)."""
+        if not self.greedy_proposals:
+            return 0
+        return WIDTH if self.tree_budget is not None else 1
+
     def propose_chain(self, drafted: torch.Tensor, gen) -> Proposal:
-        """Drafts [n]: with greedy proposals the drafter's own argmax tokens [n] (`DraftWanted.tokens`),
-        else drawn from the draft logits [n, V], with the q they were drawn from."""
+        """Drafts [n]: with greedy proposals the drafter's best token ids [n, 1], else drawn from the
+        draft logits [n, V], with the q they were drawn from."""
         if self.greedy_proposals:
-            return Proposal(drafted, policy=self.chain, ran_draft=True)
+            return Proposal(drafted[:, 0], policy=self.chain, ran_draft=True)
         q = probs_from_logits(drafted, self.sampling)
         return Proposal(sample(q, gen), q, policy=self.chain, ran_draft=True)
 
@@ -150,15 +159,16 @@ class Proposers:
             size = self.tree.choose()
         return size, plan.drafter_depth[size - 1]
 
-    def propose_tree(self, draft_logits: torch.Tensor, anchor: int, size: int, lookup: list[int], gen) -> Proposal:
-        """A tree of `size` nodes from the draft logits [D, V] (and a lookup branch)."""
+    def propose_tree(self, drafted: torch.Tensor, anchor: int, size: int, lookup: list[int], gen) -> Proposal:
+        """A tree of `size` nodes (and a lookup branch) from the drafter's best token ids [D, WIDTH]
+        (greedy proposals) or its logits [D, V]."""
         if self.greedy_proposals:
-            tree = build_tree(draft_candidates(draft_logits, WIDTH, False), anchor, size, self.rates, lookup)
+            tree = build_tree(drafted.tolist(), anchor, size, self.rates, lookup)
         else:
-            q = probs_from_logits(draft_logits, self.sampling)  # [D, V]
+            q = probs_from_logits(drafted, self.sampling)  # [D, V]
             cands = draft_candidates(q, WIDTH, True, gen)
             tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
-        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_logits.device)
+        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=drafted.device)
         return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
 
 
@@ -170,14 +180,14 @@ class DraftWanted:
     seq: object  # engine.Sequence
     block: int
     finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's output for the block
-    tokens: bool = False  # that output: the drafter's greedy tokens [block - 1] (else its logits [block - 1, V])
+    top: int = 0  # that output: the ids of its `top` best tokens per position [block - 1, top] (0: its logits [block - 1, V])
 
 
 def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]:
     """The drafter's output for every sequence that wants a block (its logits [block - 1, V], or
-    its greedy tokens [block - 1]): one draft forward for all that want the same block size (a lone
-    sequence runs the single-sequence forward, the reference's numerics; its greedy tokens come
-    without the full vocabulary's logits, `DraftModel.block_tokens`)."""
+    its best token ids [block - 1, top]): one draft forward for all that want the same block size
+    (a lone sequence runs the single-sequence forward, the reference's numerics; its best ids come
+    without the full vocabulary's logits, `DraftModel.block_top`)."""
     head = draft.head_for(target.lm_head)
     outputs: list[torch.Tensor | None] = [None] * len(wanted)
     by_block: dict[int, list[int]] = {}
@@ -186,13 +196,14 @@ def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]
     for block, group in by_block.items():
         seqs = [wanted[i].seq for i in group]
         if len(seqs) == 1:
-            s, run = seqs[0], draft.block_tokens if wanted[group[0]].tokens else draft.block_logits
-            outputs[group[0]] = run(target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1),
-                                    s.anchor, s.position, block)
+            s, top = seqs[0], wanted[group[0]].top
+            args = (target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1), s.anchor, s.position,
+                    block)
+            outputs[group[0]] = draft.block_top(*args, top) if top else draft.block_logits(*args)
             continue
         logits = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
         for row, i in enumerate(group):  # logits: [B_block, block - 1, V]
-            outputs[i] = logits[row].argmax(-1) if wanted[i].tokens else logits[row]
+            outputs[i] = top_ids(logits[row], wanted[i].top) if wanted[i].top else logits[row]
     return outputs

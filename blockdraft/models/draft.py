@@ -402,14 +402,17 @@ class DraftModel(nn.Module):
         """The draft logits [block-1, V] of one block (see `block_hidden`)."""
         return lm_head(self.block_hidden(embed, cache, context_taps, anchor, position, block))
 
-    def block_tokens(
+    def block_top(
         self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
-        anchor: int, position: int, block: int,
+        anchor: int, position: int, block: int, k: int,
     ) -> torch.Tensor:
-        """The greedy proposals [block-1] of one block: `block_logits(...).argmax(-1)`, with a
-        subset head's argmax taken on the subset (no full-vocabulary logits to build and scan)."""
+        """The ids of the `k` best tokens of each block position [block-1, k], best first (k = 1: the
+        greedy proposals; a tree's candidates): `vocab.top_ids(block_logits(...), k)`, with a subset
+        head's taken on the subset (no full-vocabulary logits to build and scan)."""
+        from .vocab import top_ids
+
         hidden = self.block_hidden(embed, cache, context_taps, anchor, position, block)
-        return lm_head.argmax(hidden) if hasattr(lm_head, "argmax") else lm_head(hidden).argmax(-1)
+        return lm_head.top(hidden, k) if hasattr(lm_head, "top") else top_ids(lm_head(hidden), k)
 
     @torch.inference_mode()
     def matching_prefix(

@@ -109,6 +109,12 @@ def _check(ids: torch.Tensor, vocab: int, where: str) -> None:
         raise BlockdraftError(f"{where}: draft vocabulary ids must be sorted and unique")
 
 
+def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the `k` best scores of each row [..., k], best first (k = 1: the argmax, the
+    first of tied bests)."""
+    return scores.argmax(-1, keepdim=True) if k == 1 else scores.topk(k, dim=-1).indices
+
+
 class SubsetHead(nn.Module):
     """The target's LM head restricted to the subset's rows (all rows: a copy in another dtype). Its logits keep the full vocabulary's
     shape [..., V] (-inf outside the subset), so proposals and q need no index mapping."""
@@ -123,11 +129,11 @@ class SubsetHead(nn.Module):
             self.rows.weight.copy_(head_weight[self.ids])
         self.rows.weight.requires_grad_(False)
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target ids of the best-scoring rows [...]: `forward(hidden).argmax(-1)` without the
-        full vocabulary's logits (the ids are sorted, so the first best of the subset is the first
-        best of the full row, ties included)."""
-        return self.ids[self.rows(hidden).argmax(-1)]
+    def top(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The target ids of each row's `k` best tokens [..., k], best first: `top_ids(forward(hidden), k)`
+        without the full vocabulary's logits (at most the subset's size; the ids are sorted, so the
+        first best of the subset is the first best of the full row, ties included)."""
+        return self.ids[top_ids(self.rows(hidden), min(k, len(self.ids)))]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         sub = self.rows(hidden)  # [..., V_d]
