@@ -17,6 +17,7 @@ from torch import nn
 
 from . import few_rows
 from .norms import runs_fused
+from .draft_cache import DraftCache  # noqa: F401  (re-exported: the drafter's cache, beside the drafter)
 from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
     SCALED_ROPE_TYPES, DraftConfig, build_draft_config, default_target_layer_ids, init_scale_check,
 )
@@ -139,7 +140,7 @@ class DraftAttention(nn.Module):
             out = self._attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
         return self.o_proj(out.reshape(b, t, -1))
 
-    def decode(self, x, c, cos_sin, cache: "DraftCache", layer: int) -> torch.Tensor:
+    def decode(self, x, c, cos_sin, cache: DraftCache, layer: int) -> torch.Tensor:
         """A decode step of one sequence: the block's rows x [1, Tb, H] and the new context features
         c [1, Tc, H] through the K/V projections together (one call each, not one for the context
         and one for the block). The context's K/V join `cache`, the block's follow them in its
@@ -189,40 +190,13 @@ class DraftLayer(nn.Module):
     def forward(self, x, cos_sin, ctx_k, ctx_v, mask=None):
         return self._residuals(x, lambda h: self.self_attn(h, cos_sin, ctx_k, ctx_v, mask))
 
-    def decode(self, x, c, cos_sin, cache: "DraftCache", index: int):
+    def decode(self, x, c, cos_sin, cache: DraftCache, index: int):
         """A decode step over a draft cache (`DraftAttention.decode`)."""
         return self._residuals(x, lambda h: self.self_attn.decode(h, c, cos_sin, cache, index))
 
     def _residuals(self, x, attend):
         x = x + attend(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DraftCache:
-    """Per-layer K/V of committed context positions only, in buffers that grow by doubling."""
-
-    def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.length = 0
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write K/V [B, Hkv, n, D] after the committed ones; return the view of all of them. Only
-        rows the caller then counts in `length` stay: a decode step's block rows are scratch
-        (`DraftAttention.decode`), written over by the next step's context."""
-        start, n = self.length, k.shape[2]
-        buf = self.k[layer]
-        if buf is None or buf.shape[2] < start + n:
-            cap = max(64, 2 * (start + n))
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(new_k.shape)
-            if buf is not None:
-                new_k[:, :, :start] = buf[:, :, :start]
-                new_v[:, :, :start] = self.v[layer][:, :, :start]
-            self.k[layer], self.v[layer] = new_k, new_v
-        self.k[layer][:, :, start : start + n] = k
-        self.v[layer][:, :, start : start + n] = v
-        return self.k[layer][:, :, : start + n], self.v[layer][:, :, : start + n]
 
 
 class DraftModel(nn.Module):
