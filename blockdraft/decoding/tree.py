@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..models.vocab import top_ids
 from .verify import sample
 
 LOOKUP = -1  # the rank of a prompt-lookup node
@@ -188,7 +189,7 @@ def draft_candidates(draft_probs_or_logits: torch.Tensor, width: int, sampled: b
     """[D, V] -> per position, `width` candidates: the top tokens (logits or probs), or draws from
     the probs without replacement (never more than a row's support)."""
     if not sampled:
-        return draft_probs_or_logits.topk(min(width, draft_probs_or_logits.shape[-1]), dim=-1).indices.tolist()
+        return top_ids(draft_probs_or_logits, min(width, draft_probs_or_logits.shape[-1])).tolist()
     support = int((draft_probs_or_logits > 0).sum(-1).min())
     return torch.multinomial(draft_probs_or_logits, min(width, support), replacement=False,
                              generator=generator).tolist()

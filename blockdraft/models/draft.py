@@ -383,10 +383,7 @@ class DraftModel(nn.Module):
         """The ids of the `k` best tokens of each block position [block-1, k], best first (k = 1: the
         greedy proposals; a tree's candidates): `vocab.top_ids(block_logits(...), k)`, with a subset
         head's taken on the subset (no full-vocabulary logits to build and scan)."""
-        from .vocab import top_ids
-
-        hidden = self.block_hidden(embed, cache, context_taps, anchor, position, block)
-        return lm_head.top(hidden, k) if hasattr(lm_head, "top") else top_ids(lm_head(hidden), k)
+        return _best_ids(lm_head, self.block_hidden(embed, cache, context_taps, anchor, position, block), k)
 
     @torch.inference_mode()
     def matching_prefix(
@@ -397,9 +394,17 @@ class DraftModel(nn.Module):
         head runs row by row, only as far as they match: most blocks end at the first row."""
         hidden = self.block_hidden(embed, cache, context_taps, anchor, position, block)
         n = 0
-        while n < min(len(truth), block - 1) and int(lm_head(hidden[n]).argmax()) == truth[n]:
+        while n < min(len(truth), block - 1) and int(_best_ids(lm_head, hidden[n:n + 1], 1)) == truth[n]:
             n += 1
         return n
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _best_ids(lm_head: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the `k` best tokens of each row of `hidden` [..., k]: on a subset head's own rows
+    (`SubsetHead.top`), else from the head's logits."""
+    from .vocab import top_ids
+
+    return lm_head.top(hidden, k) if hasattr(lm_head, "top") else top_ids(lm_head(hidden), k)

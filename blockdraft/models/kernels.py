@@ -106,7 +106,8 @@ class _PackedForward:
         if not _packed_enabled() or x.dtype != w.dtype or (
                 torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return self.original(x)
-        key = _weight_key(w)
+        # inference tensors have no version counter (and change in place only inside inference mode)
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype, w.device)
         if key != self.key:
             self.packed = self.panels = None
             if few_rows.applies(w):
@@ -131,12 +132,6 @@ class _PackedForward:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed,
                                                None if bias is None else bias.detach(), "none", [], "")
         return y.view(*x.shape[:-1], self.linear.weight.shape[0])  # [..., N]
-
-
-def _weight_key(w: torch.Tensor) -> tuple:
-    """What changes when a weight does: in place (an optimizer step, a load), by a move or a cast.
-    Inference tensors have no version counter (and change in place only inside inference mode)."""
-    return w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype, w.device
 
 
 def small_rows(weight: torch.Tensor, packed: torch.Tensor) -> int:
