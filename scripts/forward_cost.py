@@ -53,11 +53,13 @@ def linear_ms(tokens: list[int]) -> None:
     panels16 = [few_rows.pack(w, torch.bfloat16) for w in weights] if panels is not None else None  # a drafter's
     flops = 2 * sum(w.numel() for w in weights)
     a = torch.randn(2048, 2048)
-    print(f"a 2048^3 GEMM: {2 * 2048 ** 3 / best(lambda: a @ a) / 1e9:.0f} GFLOPS")
+    gemm = 2 * 2048 ** 3 / best(lambda: a @ a)  # flop/s: the cores' arithmetic as a large GEMM reaches it
+    print(f"a 2048^3 GEMM: {gemm / 1e9:.0f} GFLOPS")
     big = torch.ones(1 << 28)  # 1 GiB: the memory's read speed, what one row's weights stream at best
     print(f"a sum over 1 GiB: {big.numel() * 4 / best(big.sum) / 1e9:.1f} GB/s; the body's linear weights: "
           f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     del big
+    one = None  # the fastest kernel's time at one row: the floor's denominator
     with torch.inference_mode():
         for rows in tokens:
             x = {n: torch.randn(rows, n) for n in (576, 1536)}
@@ -70,6 +72,11 @@ def linear_ms(tokens: list[int]) -> None:
                 half = best(lambda: [few_rows.linear(x[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels16)])
                 line += (f", few-row {1e3 * mine:5.1f} ms ({flops * rows / mine / 1e9:.0f} GFLOPS), "
                          f"bf16 panels {1e3 * half:5.1f} ms")
+            fastest = min(packed, mine) if panels is not None else packed
+            one = fastest if rows == 1 else one
+            if one is not None and rows > 1:  # no kernel multiplies these rows faster than a large GEMM does
+                floor = flops * rows / gemm
+                line += f"; at the GEMM's rate {1e3 * floor:.1f} ms, {floor / one:.2f}x one row"
             print(line)
 
 
