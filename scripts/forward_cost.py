@@ -73,7 +73,8 @@ def linear_ms(tokens: list[int]) -> None:
                 line += (f", few-row {1e3 * mine:5.1f} ms ({flops * rows / mine / 1e9:.0f} GFLOPS), "
                          f"bf16 panels {1e3 * half:5.1f} ms")
             fastest = min(packed, mine) if panels is not None else packed
-            one = fastest if rows == 1 else one
+            if rows == 1:
+                one = fastest
             if one is not None and rows > 1:  # no kernel multiplies these rows faster than a large GEMM does
                 floor = flops * rows / gemm
                 line += f"; at the GEMM's rate {1e3 * floor:.1f} ms, {floor / one:.2f}x one row"
