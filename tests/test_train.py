@@ -105,10 +105,10 @@ def test_resume_after_interruption_gives_the_same_next_loss(tiny_run, monkeypatc
     full = _losses(tiny_run / "full")
     real_lr = T.lr_at
 
-    def crash_at_4(step, cfg):
+    def crash_at_4(step, cfg, elapsed=0.0):
         if step == 4:
             raise KeyboardInterrupt  # killed after the step-3 checkpoint
-        return real_lr(step, cfg)
+        return real_lr(step, cfg, elapsed)
 
     monkeypatch.setattr(T, "lr_at", crash_at_4)
     with pytest.raises(KeyboardInterrupt):
@@ -235,7 +235,9 @@ def test_target_labels_come_from_the_targets_own_predictions(tiny_run):
     samples = [json.loads(x) for x in open(tiny_run / "data" / "samples.jsonl")][:2]
     cfg = _cfg(tiny_run, tiny_run / "unused", block_size=4, anchors=3)
 
-    class Feats:
+    from blockdraft.training.features import Features
+
+    class Feats(Features):
         def get(self, i):
             return torch.zeros(len(samples[i]["input_ids"]), 8)
 
@@ -321,3 +323,25 @@ def test_a_feature_cache_grows_with_its_data_but_refuses_other_samples(tmp_path)
         torch.testing.assert_close(grown.get(i), alone.half().float())
     with pytest.raises(BlockdraftError, match="built from other samples"):
         build_feature_cache(tmp_path, "train", rows[1:], target, [1, 3], progress=False)
+
+
+def test_online_features_of_a_batch_equal_each_sample_alone(tiny_run):
+    from blockdraft.models.target import load_target
+    from blockdraft.training.features import OnlineFeatures
+
+    target = load_target(str(tiny_run / "target"))
+    samples = load_samples(str(tiny_run / "data"), "train")
+    feats = OnlineFeatures(target, samples, [0, 1])
+    many = feats.get_many([3, 0, 7], max_len=40)  # lengths 47, 35, 59: the first and last cut at 40
+    assert [m.shape[0] for m in many] == [40, 35, 40]
+    for got, i in zip(many, [3, 0, 7]):
+        torch.testing.assert_close(got, feats.get(i)[:40], rtol=1e-4, atol=1e-5)
+
+
+def test_a_time_budget_decays_the_rate_by_time_when_time_runs_out_first():
+    cfg = T.TrainConfig(data="d", out="o", lr=1.0, warmup=0.0, max_steps=1000, time_budget_minutes=10)
+    assert T.lr_at(10, cfg, 0.0) == pytest.approx(T.lr_at(10, T.TrainConfig(data="d", out="o", lr=1.0,
+                                                                            warmup=0.0, max_steps=1000)))
+    assert T.lr_at(10, cfg, 300.0) == pytest.approx(0.55)  # half the time: half way down the cosine
+    assert T.lr_at(10, cfg, 600.0) == pytest.approx(0.1)  # the budget spent: the floor
+    assert T.lr_at(900, cfg, 60.0) < T.lr_at(10, cfg, 60.0)  # steps further along than time: steps lead

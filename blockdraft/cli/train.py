@@ -37,11 +37,13 @@ def cmd_init(target: str, out: str, num_layers: int, block_size: int, target_lay
 
 
 def cmd_data(out: str, source: str, target: str, responses: str, limit: int, batch_size: int,
-             max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float, features: bool) -> None:
+             max_prompt_tokens: int, max_new_tokens: int, heldout_percent: float, features: bool,
+             dtype: str) -> None:
     from ..training.data import generate_data
+    from .common import parse_dtype
 
     generate_data(out, source, target, responses, limit, batch_size, max_prompt_tokens, max_new_tokens,
-                  heldout_percent, features=features)
+                  heldout_percent, features=features, dtype=parse_dtype(dtype))
 
 
 def cmd_train(resume: bool, **kwargs) -> None:
@@ -228,6 +230,9 @@ def add_parsers(sub) -> None:
     d.add_argument("--features", action="store_true",
                    help="also cache the train samples' target features for `train` (about 5.8 KB per token for "
                         "SmolLM2); nearly free with --responses dataset, which runs that prefill anyway")
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the target's (auto: fp32 on the CPU, bf16 on CUDA; float32 makes the labels the "
+                        "target's fp32 greedy tokens, what decoding on the CPU produces)")
     d.set_defaults(run=cmd_data)
 
     v = sub.add_parser("vocab", help="give a drafter a draft vocabulary subset: its head scores only the "

@@ -62,16 +62,17 @@ def make_batch(samples, feats, indices, cfg, mask_id: int, gen_for, soft=None) -
     B, N = cfg.block_size, cfg.anchors
     w = loss_weights(B, cfg.gamma or default_gamma(B))
     rows = []
+    tap_rows = feats.get_many(indices, cfg.max_seq_len)  # on the target's device when computed online
     for j, i in enumerate(indices):
         ids, lm = samples[i]["input_ids"][: cfg.max_seq_len], samples[i]["loss_mask"][: cfg.max_seq_len]
         # nxt[t]: the label for position t + 1 (the next token, or the target's prediction of it)
         nxt = samples[i]["target_next"][: len(ids)] if cfg.labels == "target" else ids[1:] + [0]
-        rows.append((torch.tensor(ids), torch.tensor(lm), feats.get(i)[: len(ids)],
+        rows.append((torch.tensor(ids), torch.tensor(lm), tap_rows[j][: len(ids)],
                      sample_anchors(lm, N, B, gen_for(j), cfg.anchor_mode), torch.tensor(nxt)))
     S = max(r[0].shape[0] for r in rows)
     width = rows[0][2].shape[1]
     bs = len(rows)
-    taps = torch.zeros(bs, S, width)
+    taps = torch.zeros(bs, S, width, device=rows[0][2].device)
     block_ids = torch.full((bs, N * B), mask_id, dtype=torch.long)
     positions = torch.zeros(bs, N * B, dtype=torch.long)
     labels = torch.zeros(bs, N, B - 1, dtype=torch.long)

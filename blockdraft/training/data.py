@@ -137,6 +137,7 @@ def generate_data(
     heldout_percent: float = 2.0,
     progress: bool = True,
     features: bool = False,
+    dtype=None,  # the target's torch dtype (None: the device's default)
 ) -> Path:
     from tqdm import tqdm
 
@@ -158,7 +159,7 @@ def generate_data(
     samples = out / "samples.jsonl"
     done = _read_done(samples)
 
-    target = load_target(target_name)
+    target = load_target(target_name, dtype=dtype)
     tok = target.tokenizer
     # The taps `blockdraft train` uses by default; written from the prefill that `--responses
     # dataset` runs anyway for the target's predictions, so the features cost almost nothing more.

@@ -27,7 +27,17 @@ def feature_dir(data_dir: str | os.PathLike, split: str, tap_ids: list[int]) -> 
     return Path(data_dir) / f"features-{split}-{_tap_tag(tap_ids)}"
 
 
-class CachedFeatures:
+class Features:
+    """`get(i)` -> fp32 tensor [S_i, K*H] of sample i; `get_many` -> those of several samples."""
+
+    def get(self, i: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_many(self, indices: list[int], max_len: int | None = None) -> list[torch.Tensor]:
+        return [self.get(i)[:max_len] for i in indices]
+
+
+class CachedFeatures(Features):
     """Read side of the cache: `get(i)` -> fp32 tensor [S_i, K*H] of sample i."""
 
     def __init__(self, directory: Path, dtype=np.float16, filename: str = "features.f16"):
@@ -44,7 +54,7 @@ class CachedFeatures:
         return torch.from_numpy(np.array(self.array[self.offsets[i] : self.offsets[i + 1]], dtype=np.float32))
 
 
-class SlicedFeatures:
+class SlicedFeatures(Features):
     """Some tap layers' columns of a cache built for more of them (the taps study reads the
     five-tap cache's columns instead of computing three- and one-tap caches)."""
 
@@ -78,7 +88,7 @@ def sliced_cache(data_dir, split: str, samples: list[dict], tap_ids: list[int], 
     return None
 
 
-class EmbeddingFeatures:
+class EmbeddingFeatures(Features):
     """The "no target context" ablation's features: the target's embedding of each token."""
 
     def __init__(self, target, samples: list[dict]):
@@ -90,7 +100,7 @@ class EmbeddingFeatures:
             return self.target.embed_tokens(ids).float().cpu()
 
 
-class OnlineFeatures:
+class OnlineFeatures(Features):
     """Features computed on demand by a target forward (no cache on disk)."""
 
     def __init__(self, target, samples: list[dict], tap_ids: list[int]):
@@ -100,6 +110,18 @@ class OnlineFeatures:
         ids = torch.tensor([self.samples[i]["input_ids"]], device=self.target.device)
         out = self.target.forward(ids, self.target.new_cache(), self.tap_ids, logits_at=1)
         return out.taps[0].float().cpu()
+
+    @torch.no_grad()
+    def get_many(self, indices: list[int], max_len: int | None = None) -> list[torch.Tensor]:
+        """One right-padded target forward for all of them (causal attention never looks at the pads
+        after a sequence), kept on the target's device: on a GPU the per-sample forwards and the
+        round trip through host memory would cost more than the drafter's step."""
+        seqs = [self.samples[i]["input_ids"][:max_len] for i in indices]
+        ids = torch.zeros(len(seqs), max(len(q) for q in seqs), dtype=torch.long)  # [n, S]
+        for r, q in enumerate(seqs):
+            ids[r, : len(q)] = torch.tensor(q)
+        out = self.target.forward(ids.to(self.target.device), self.target.new_cache(), self.tap_ids, logits_at=1)
+        return [row[: len(q)].float() for row, q in zip(out.taps, seqs)]  # each [S_i, K*H]
 
 
 @dataclass

@@ -73,15 +73,21 @@ class TrainConfig:
     eval_prompts: int = 16  # held-out responses for tau (by replay: cheap)
     eval_sequences: int = 0  # held-out sequences for accuracy (0: all of them)
     eval_tokens: int = 192
-    time_budget_minutes: float | None = None  # stop (and save) after this much training time
+    time_budget_minutes: float | None = None  # stop (and save) after this much training time; the
+    #                                          learning-rate schedule then runs to whichever end comes first
+    target_dtype: str = "auto"  # the target's: "auto" (fp32 on the CPU, bf16 on CUDA), "float32", "bfloat16"
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak. With a time budget the decay follows
+    whichever is further along, the steps or the time (elapsed seconds), so a run the budget cuts
+    short still ends at the low rate instead of stopping at its peak."""
     warm = max(1, int(cfg.warmup * cfg.max_steps))
     if step < warm:
         return cfg.lr * (step + 1) / warm
     progress = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    if cfg.time_budget_minutes:
+        progress = max(progress, min(1.0, elapsed / (60 * cfg.time_budget_minutes)))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -187,12 +193,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         raise BlockdraftError(f"--soft-labels must be >= 0 (got {cfg.soft_labels})")
     if cfg.num_taps < 0 or (cfg.gamma is not None and not cfg.gamma > 0):
         raise BlockdraftError("--num-taps must be >= 0 and --gamma > 0 (inf: uniform weights)")
+    if cfg.target_dtype not in ("auto", "float32", "bfloat16"):
+        raise BlockdraftError(f"--target-dtype must be auto, float32 or bfloat16 (got {cfg.target_dtype!r})")
     out = Path(cfg.out)
     state_dir = out / "state"
     if state_dir.exists() and not resume:
         raise BlockdraftError(f"{out} already holds a run; pass --resume to continue it or use a new --out")
     torch.manual_seed(cfg.seed)
-    target = load_target(cfg.target, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and world > 1 else None)
+    target = load_target(cfg.target, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and world > 1 else None,
+                         dtype=None if cfg.target_dtype == "auto" else getattr(torch, cfg.target_dtype))
     samples = load_samples(cfg.data, "train")
     heldout = load_samples(cfg.data, "heldout")
     if not samples:
@@ -283,15 +292,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress or rank > 0, desc="train", unit="step")
     t_start, window_tokens, t_window = time.perf_counter() - elapsed, 0, time.perf_counter()
     while step < cfg.max_steps:
-        if cfg.time_budget_minutes:  # every rank stops at the same step (clocks differ)
-            over = torch.tensor(float(time.perf_counter() - t_start > 60 * cfg.time_budget_minutes))
-            if par.all_reduce(over).item() > 0:
+        run_time = 0.0  # seconds trained, only with a time budget (without, the schedule is by steps alone)
+        if cfg.time_budget_minutes:  # every rank stops at the same step, and sets the same rate (clocks differ)
+            run_time = par.all_reduce(torch.tensor(time.perf_counter() - t_start, dtype=torch.float64)).item() / world
+            if run_time > 60 * cfg.time_budget_minutes:
                 break
         slots = [step * cfg.batch_size + rank * per_rank + j for j in range(per_rank)]
         batch = make_batch(samples, feats, [sample_index(g) for g in slots], cfg, dcfg.mask_token_id,
                            lambda j: torch.Generator().manual_seed(cfg.seed * 7_919 + slots[j]), soft)
+        lr = lr_at(step, cfg, run_time)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr
         model.train()
         wanted = batch.labels if batch.soft_ids is None else torch.cat([batch.labels.flatten(),
                                                                         batch.soft_ids.flatten()])
@@ -314,7 +325,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.max_steps):
             now = time.perf_counter()
             acc = (correct / counts.clamp_min(1)).tolist()
-            rec = {"step": step, "loss": round(loss.item() / world, 4), "lr": lr_at(step - 1, cfg),
+            rec = {"step": step, "loss": round(loss.item() / world, 4), "lr": lr,
                    "grad_norm": round(float(gnorm), 3), "acc": [round(a, 3) for a in acc],
                    "block_tokens_per_s": round(window_tokens * world / (now - t_window), 1),
                    "elapsed": round(now - t_start, 1), "samples_seen": step * cfg.batch_size}

