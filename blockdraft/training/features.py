@@ -113,14 +113,11 @@ class OnlineFeatures(Features):
 
     @torch.no_grad()
     def get_many(self, indices: list[int], max_len: int | None = None) -> list[torch.Tensor]:
-        """One right-padded target forward for all of them (causal attention never looks at the pads
-        after a sequence), kept on the target's device: on a GPU the per-sample forwards and the
-        round trip through host memory would cost more than the drafter's step."""
+        """One right-padded target forward for all of them (`padded_forward`), kept on the target's
+        device: on a GPU the per-sample forwards and the round trip through host memory would cost
+        more than the drafter's step."""
         seqs = [self.samples[i]["input_ids"][:max_len] for i in indices]
-        ids = torch.zeros(len(seqs), max(len(q) for q in seqs), dtype=torch.long)  # [n, S]
-        for r, q in enumerate(seqs):
-            ids[r, : len(q)] = torch.tensor(q)
-        out = self.target.forward(ids.to(self.target.device), self.target.new_cache(), self.tap_ids, logits_at=1)
+        out = padded_forward(self.target, seqs, self.tap_ids, logits_at=1)
         return [row[: len(q)].float() for row, q in zip(out.taps, seqs)]  # each [S_i, K*H]
 
 
@@ -130,18 +127,24 @@ class Prefill:
     taps: list[np.ndarray] | None  # fp16 [S, K*H] per sequence
 
 
+def padded_forward(target, seqs: list[list[int]], tap_ids: list[int] | None, logits_at: int | None,
+                   pad_id: int = 0):
+    """One target forward over several sequences, right-padded. Right padding needs no attention
+    mask: causal attention never looks at the pads after a sequence, so each row equals the
+    sequence alone (up to its length)."""
+    ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)  # [n, S]
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+    return target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=logits_at)
+
+
 def prefill(target, seqs: list[list[int]], tap_ids: list[int] | None = None, predictions: bool = False,
             chunk: int = 8, pad_id: int = 0) -> Prefill:
-    """One target forward over each sequence, a few at a time (full logits are [n, S, V]). Right
-    padding needs no attention mask: causal attention never looks at the pads after a sequence,
-    so each row equals the sequence alone."""
+    """One target forward over each sequence, a few at a time (full logits are [n, S, V])."""
     preds, taps = [], []
     for lo in range(0, len(seqs), chunk):
         group = seqs[lo : lo + chunk]
-        ids = torch.full((len(group), max(len(s) for s in group)), pad_id, dtype=torch.long)
-        for r, s in enumerate(group):
-            ids[r, : len(s)] = torch.tensor(s)
-        out = target.forward(ids.to(target.device), target.new_cache(), tap_ids, logits_at=None if predictions else 1)
+        out = padded_forward(target, group, tap_ids, None if predictions else 1, pad_id)
         if predictions:
             preds += [row[: len(s)].tolist() for row, s in zip(out.logits.argmax(-1).cpu(), group)]  # [n, S]
         if tap_ids:
