@@ -20,7 +20,8 @@ two standard deviations of a count (2 sqrt(n): a flipped near-tie moves a step's
 drafts it accepted move between positions like counting noise; the stage-9 drafter's position 2
 read 31 against 37 with the same texts, 170 against 171 drafts in all), and the steps likewise.
 Exact equality of acceptance is reported, not required: vLLM computes the same fp32 math with its
-own kernels (fused QKV, its CPU attention), and a weak drafter's near-ties flip with the rounding (docs/vllm.md gives the measured gap).
+own kernels (fused QKV, its CPU attention), and a weak drafter's near-ties flip with the rounding
+(docs/vllm.md gives the measured gap).
 """
 
 from __future__ import annotations
