@@ -133,11 +133,12 @@ def test_fewer_taps_read_the_columns_of_a_wider_cache(tiny_run):  # noqa: F811
     assert sliced_cache(str(tiny_run / "data"), "train", samples[:3], [2], target.hidden_size) is None
 
 
-def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, monkeypatch):  # noqa: F811
+def _study(tiny_run, tmp_path, monkeypatch, **kw):  # noqa: F811
+    """Study settings over a small random data directory; the prompt sets replaced by random ones."""
     from blockdraft.training import ablate as A
 
     data = tmp_path / "data"
-    data.mkdir()
+    data.mkdir(exist_ok=True)
     gen = torch.Generator().manual_seed(3)
     with open(data / "samples.jsonl", "w") as f:
         for i in range(14):
@@ -148,8 +149,14 @@ def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, mon
     refs = [torch.randint(0, 90, (12,), generator=gen).tolist() for _ in range(2)]
     monkeypatch.setattr(A, "load_prompt_sets", lambda s, target: {"humaneval": (prompts, refs),
                                                                   "mt-bench": (prompts, refs)})
-    s = A.StudySettings(data=str(data), runs=str(tmp_path / "runs"), out=str(tmp_path / "out"),
-                        target=str(tiny_run / "target"), steps=3, prompts=2, max_new_tokens=12)
+    return A.StudySettings(**{**dict(data=str(data), runs=str(tmp_path / "runs"), out=str(tmp_path / "out"),
+                                     target=str(tiny_run / "target"), steps=3, prompts=2, max_new_tokens=12), **kw})
+
+
+def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, monkeypatch):  # noqa: F811
+    from blockdraft.training import ablate as A
+
+    s = _study(tiny_run, tmp_path, monkeypatch)
     trained = []
     real_train = A.train_run
 
@@ -190,6 +197,30 @@ def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, mon
     assert [r["run"] for r in runs] == ["start", "base", "uniform-loss"]
     base_log = [json.loads(line) for line in open(tmp_path / "cont" / "base" / "log.jsonl")]
     assert runs[0]["heldout_acc"] == base_log[0]["heldout_acc"] and base_log[0]["step"] == 0
+
+
+def test_runs_side_by_side_score_as_the_serial_study_does(tiny_run, tmp_path, monkeypatch):  # noqa: F811
+    """--jobs 2: worker processes train and score the runs (the prompt sets travel from the parent);
+    same seeds, same data, so the same scores as one after the other; the table is written once
+    all are in, and its costs come from fresh drafters of each run's shape."""
+    from blockdraft.training import ablate as A
+
+    serial = _study(tiny_run, tmp_path, monkeypatch, runs=str(tmp_path / "serial"), out=str(tmp_path / "o1"))
+    A.run_studies(serial, ["decay"], "x")
+    jobs = A.StudySettings(**{**serial.__dict__, "runs": str(tmp_path / "jobs"), "out": str(tmp_path / "o2"),
+                              "jobs": 2})
+    A.run_studies(jobs, ["decay"], "x")
+    for name in ("base", "uniform-loss"):
+        a, b = (json.loads((tmp_path / d / name / "score.json").read_text()) for d in ("serial", "jobs"))
+        assert a["heldout_acc"] == b["heldout_acc"] and a["blocks"] == b["blocks"]
+    assert [r["run"] for r in json.loads((tmp_path / "o2" / "decay.json").read_text())["runs"]] == \
+        ["base", "uniform-loss"]
+    # the weights are not needed to time a run's shape
+    (tmp_path / "jobs" / "base" / "drafter" / "model.safetensors").unlink()
+    from blockdraft.models.target import load_target
+
+    cost = A.step_costs(jobs, A.BASE, 16, load_target(jobs.target), [1, 2, 3])
+    assert cost["t_draft_ms"] > 0
 
 
 def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(tiny_run):  # noqa: F811

@@ -1,7 +1,6 @@
-"""`python -m blockdraft.cli`, as the `blockdraft` command."""
-
 import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned worker processes (ablate --jobs) import the main module again
+    sys.exit(main())

@@ -153,7 +153,8 @@ def cmd_accuracy(data: str, drafters: list[str], target: str, device: str | None
 
 
 def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, steps: int, prompts: int,
-               max_new_tokens: int, init: str, list_studies: bool) -> None:
+               max_new_tokens: int, init: str, batch_size: int, labels: str, features: str, target_dtype: str,
+               jobs: int, list_studies: bool) -> None:
     """DFlash's ablations, one change at a time, scored by held-out acceptance (training/ablate.py)."""
     import shlex
     import sys
@@ -177,7 +178,8 @@ def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, 
             raise BlockdraftError(f"no bundled drafter for {target}; pass --init DIR")
         init = str(found)
     run_studies(StudySettings(data=data, runs=runs, out=out, target=target, steps=steps, prompts=prompts,
-                              max_new_tokens=max_new_tokens, init=init), chosen, command)
+                              max_new_tokens=max_new_tokens, init=init, batch_size=batch_size, labels=labels,
+                              features=features, target_dtype=target_dtype, jobs=jobs), chosen, command)
 
 
 def cmd_plot_training(logs: list[str], out: str, start: list[float] | None, bench: list[str]) -> None:
@@ -306,7 +308,17 @@ def add_parsers(sub) -> None:
     ab.add_argument("--runs", default="runs/ablate", help="where the runs are trained (shared between studies)")
     ab.add_argument("--out", default="docs/ablations", help="where each study's table, JSON and plot go")
     ab.add_argument("--target", default="smollm2-135m")
-    ab.add_argument("--steps", type=int, default=300, help="training steps per run (4 sequences each)")
+    ab.add_argument("--steps", type=int, default=300, help="training steps per run")
+    ab.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    ab.add_argument("--labels", choices=("target", "data"), default="target",
+                    help="target: the target's stored predictions (data --responses dataset); data: the "
+                    "sequence's own tokens (right for data --responses target)")
+    ab.add_argument("--features", choices=("cache", "online"), default="cache",
+                    help="the target's taps cached on disk once, or a target forward each step (a GPU)")
+    ab.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="float32 keeps a CUDA target exact (auto: fp32 on the CPU, bf16 on CUDA)")
+    ab.add_argument("--jobs", type=int, default=1, help="runs trained and scored side by side (worker "
+                    "processes: on a GPU, which small runs leave mostly idle)")
     ab.add_argument("--prompts", type=int, default=10, help="HumanEval problems and MT-Bench questions scored, each")
     ab.add_argument("--max-new-tokens", type=int, default=256)
     ab.add_argument("--init", default="target", help="target (from the target's layers), bundled, or a drafter "

@@ -76,14 +76,21 @@ class StudySettings:
     max_new_tokens: int = 256
     init: str = "target"  # "target" (from the target's layers: every study), or a drafter directory to
     #                       continue (the recipe studies only: its architecture is fixed)
+    batch_size: int = 4  # sequences per training step
+    labels: str = "target"  # "target": the target's stored predictions (`data --responses dataset`);
+    #                         "data": the sequence's own tokens (`data --responses target` made them)
+    features: str = "cache"  # the target's taps: "cache" (fp16 on disk) or "online" (a forward a step)
+    target_dtype: str = "auto"  # "float32" keeps a CUDA target exact (auto: bf16 there)
+    jobs: int = 1  # runs trained and scored side by side in worker processes (a GPU idles otherwise)
 
 
 def base_config(s: StudySettings, run: Run):
     from .train import TrainConfig
 
     cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
-                      block_size=16, anchors=16, batch_size=4, lr=1e-3, head_vocab=8192, labels="target",
-                      init=s.init, max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 2),
+                      block_size=16, anchors=16, batch_size=s.batch_size, lr=1e-3, head_vocab=8192,
+                      labels=s.labels, features=s.features, target_dtype=s.target_dtype, init=s.init,
+                      max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 2),
                       eval_prompts=0, eval_sequences=24, seed=0)
     return replace(cfg, **run.overrides)
 
@@ -152,13 +159,17 @@ def shape_of(s: StudySettings, run: Run) -> tuple:
 
 
 def step_costs(s: StudySettings, run: Run, block: int, target, prompt: list[int]) -> dict:
-    """Milliseconds of the target's forward over 1 and `block` tokens and of this run's draft
-    forward, after `prompt`, medians of 9 (measured in this process)."""
+    """Milliseconds of the target's forward over 1 and `block` tokens and of a draft forward of this
+    run's shape, after `prompt`, medians of 9 (measured in this process). The drafter is built from
+    the run's config.json with fresh weights: its cost depends on its shape alone, so a study
+    trained on one machine (a GPU) can be timed on the one it is meant for without its weights."""
     from ..evaluation.bench import measure_costs
-    from ..models.checkpoint import load_draft
+    from ..models.checkpoint import config_from_json
+    from ..models.draft import DraftModel
 
-    path = s.init if run is START else Path(s.runs) / run.name / "drafter"
-    c = measure_costs(target, load_draft(path, device=target.device, dtype=target.dtype), prompt, block, repeats=9)
+    path = Path(s.init if run is START else Path(s.runs) / run.name / "drafter") / "config.json"
+    draft = DraftModel(config_from_json(json.loads(path.read_text()), str(path))).to(target.device, target.dtype)
+    c = measure_costs(target, draft.eval(), prompt, block, repeats=9)
     return {"t1_ms": round(c["t_target"][1] * 1e3, 1), "t_verify_ms": round(c["t_target"][block] * 1e3, 1),
             "t_draft_ms": round(c["t_draft"] * 1e3, 1)}
 
@@ -196,7 +207,7 @@ def write_study(s: StudySettings, study: str, scores: list[dict], blocks: tuple[
     for b in blocks:
         head += [f"tau HE (B={b})", f"tau MT (B={b})", f"speed HE/MT (B={b})"]
     lines = [f"# Study: {study}", "", "```", command, "```", "",
-             f"{s.steps} steps of 4 sequences per run; tau by replay on the first {s.prompts} HumanEval problems "
+             f"{s.steps} steps of {s.batch_size} sequences per run; tau by replay on the first {s.prompts} HumanEval problems "
              f"(HE) and MT-Bench first turns (MT), greedy, {s.max_new_tokens} new tokens; speed: the cost model's "
              f"tau x t(1) / (t(B) + t_draft), against plain decoding, with one measurement per drafter shape "
              f"({_cost_line(scores, blocks)}). This invocation took {seconds / 60:.0f} min (runs already done "
@@ -252,6 +263,55 @@ def plot_study(path: Path, study: str, scores: list[dict], blocks: tuple[int, ..
     plt.close(fig)
 
 
+def _target_dtype(s: StudySettings):
+    import torch
+
+    return None if s.target_dtype == "auto" else getattr(torch, s.target_dtype)
+
+
+_WORKER: dict = {}  # a worker process's target and prompt sets, loaded once
+
+
+def _worker_init(s: StudySettings, prompts: dict) -> None:
+    import os
+
+    import torch
+
+    from ..models.target import load_target
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.jobs))  # the workers share the cores
+    _WORKER.update(target=load_target(s.target, dtype=_target_dtype(s)), prompts=prompts)
+
+
+def _worker_run(s: StudySettings, run: Run, blocks: tuple[int, ...]) -> str:
+    train_run(s, run)
+    score_run(s, run, blocks, _WORKER["target"], _WORKER["prompts"])
+    return run.name
+
+
+def train_and_score_side_by_side(s: StudySettings, studies: list[str], prompts: dict) -> None:
+    """Every run of the studies trained and scored (each at the union of its studies' inference
+    blocks) by `s.jobs` worker processes; what is done already is skipped as in the serial path."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    todo: dict[str, tuple[Run, set]] = {}  # in the studies' order: the base run comes early
+    for study in studies:
+        runs, blocks = STUDIES[study]
+        for run in runs:
+            todo.setdefault(run.name, (run, set()))[1].update(blocks)
+    # spawn, not fork: a forked child cannot use CUDA once the parent has touched it
+    with ProcessPoolExecutor(s.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                             initargs=(s, prompts)) as pool:
+        futures = [pool.submit(_worker_run, s, run, tuple(sorted(blocks))) for run, blocks in todo.values()]
+        try:
+            for f in as_completed(futures):
+                print(f"ablate: {f.result()} trained and scored", flush=True)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+
+
 def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path]:
     """Train, score and write each study in turn; returns the Markdown files written."""
     from ..models.target import load_target
@@ -259,8 +319,10 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
     unknown = [x for x in studies if x not in STUDIES]
     if unknown:
         raise BlockdraftError(f"unknown studies {unknown}; choose from {', '.join(STUDIES)} or all")
-    if s.steps < 1 or s.prompts < 1 or s.max_new_tokens < 1:
-        raise BlockdraftError("--steps, --prompts and --max-new-tokens must be >= 1")
+    if min(s.steps, s.prompts, s.max_new_tokens, s.batch_size, s.jobs) < 1:
+        raise BlockdraftError("--steps, --prompts, --max-new-tokens, --batch-size and --jobs must be >= 1")
+    if s.target_dtype not in ("auto", "float32", "bfloat16"):
+        raise BlockdraftError(f"--target-dtype must be auto, float32 or bfloat16 (got {s.target_dtype!r})")
     if s.init != "target":
         shaped = sorted({x for st in studies for r in STUDIES[st][0] for x in r.overrides} & ARCHITECTURE)
         if shaped:
@@ -272,8 +334,10 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
 
     if not load_samples(s.data, "heldout"):
         raise BlockdraftError(f"{s.data} has no held-out samples, which score each run's accuracy")
-    target = load_target(s.target)
+    target = load_target(s.target, dtype=_target_dtype(s))
     prompts = load_prompt_sets(s, target)
+    if s.jobs > 1:
+        train_and_score_side_by_side(s, studies, prompts)
     written, measured = [], {}  # (shape, block) -> step costs, once per shape in this process
     first = prompts["humaneval"][0][0]
     for study in studies:

@@ -72,5 +72,28 @@ EOF
     split -b 15M -d -a 1 "$WORK/model.safetensors" "$OUT/model.safetensors.part"
     cp "$WORK/run/drafter/config.json" "$WORK/run/log.jsonl" "$WORK/data-counts.json" "$OUT/"
     echo "all: $(( $(date +%s) - T0 )) s" ;;
-  *) echo "usage: $0 smoke 0 | stash 1 | run" >&2; exit 2 ;;
+  ablate)
+    # issue 22's from-scratch studies (layers, taps, injection, context, block, noise) on the
+    # stage-9 data (gpu-bundle/abl: runs/gpu/mix-all gzipped, the greedy references of HumanEval and
+    # MT-Bench, and the two packages' prompt files). The runs come back without their weights; the
+    # tables are written again on the CPU, where `ablate` times each run's shape (step_costs).
+    stash 2
+    [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$STASH"/*.whl
+    cp -r gpu-bundle/abl/site/* /tmp/site/
+    mkdir -p "$WORK/gguf" "$WORK/cache/references" runs/gpu/mix-all
+    cat "$STASH"/gguf.part* > "$WORK/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+    cp gpu-bundle/abl/references.json "$WORK/cache/references/smollm2-135m.json"
+    cp gpu-bundle/abl/manifest.json runs/gpu/mix-all/ && gunzip -c gpu-bundle/abl/samples.jsonl.gz > runs/gpu/mix-all/samples.jsonl
+    T0=$(date +%s)
+    python3 -c "from blockdraft.models.target import load_target; t = load_target(); print('target', t.device, t.num_layers)" \
+      2>&1 | tr '\r' '\n' | grep -v "Loading weights\|Converting"
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 timeout "${ABLATE_SECONDS:-420}" python3 -m blockdraft.cli ablate \
+      layers taps injection context block noise --data runs/gpu/mix-all --runs runs/abl-gpu --out "$WORK/abl-out" \
+      --steps "${STEPS:-800}" --batch-size 16 --prompts 20 --labels data --features online --target-dtype float32 \
+      --jobs "${JOBS:-6}" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|step/s\]$\|seq/s\]$\|prompt/s\]$\|Loading weights" || true
+    echo "ablate: $(( $(date +%s) - T0 )) s"
+    tar czf "$OUT/abl-runs.tar.gz" --exclude=state --exclude='*.safetensors' --exclude='*.tmp' runs/abl-gpu
+    [ -d "$WORK/abl-out" ] && tar czf "$OUT/abl-out-gpu.tar.gz" -C "$WORK" abl-out
+    ls -l "$OUT" ;;
+  *) echo "usage: $0 smoke 0 | stash 1 | run | ablate" >&2; exit 2 ;;
 esac
