@@ -206,15 +206,18 @@ def test_runs_side_by_side_score_as_the_serial_study_does(tiny_run, tmp_path, mo
     from blockdraft.training import ablate as A
 
     serial = _study(tiny_run, tmp_path, monkeypatch, runs=str(tmp_path / "serial"), out=str(tmp_path / "o1"))
-    A.run_studies(serial, ["decay"], "x")
+    A.run_studies(serial, ["injection"], "x")
     jobs = A.StudySettings(**{**serial.__dict__, "runs": str(tmp_path / "jobs"), "out": str(tmp_path / "o2"),
                               "jobs": 2})
-    A.run_studies(jobs, ["decay"], "x")
-    for name in ("base", "uniform-loss"):
+    A.run_studies(jobs, ["injection"], "x")
+    for name in ("base", "input-fusion"):
         a, b = (json.loads((tmp_path / d / name / "score.json").read_text()) for d in ("serial", "jobs"))
         assert a["heldout_acc"] == b["heldout_acc"] and a["blocks"] == b["blocks"]
-    assert [r["run"] for r in json.loads((tmp_path / "o2" / "decay.json").read_text())["runs"]] == \
-        ["base", "uniform-loss"]
+    runs = json.loads((tmp_path / "o2" / "injection.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["base", "input-fusion"]
+    # two shapes: each its own draft forward, one measurement of the target shared by both
+    c0, c1 = (r["blocks"]["16"]["costs"] for r in runs)
+    assert (c0["t1_ms"], c0["t_verify_ms"]) == (c1["t1_ms"], c1["t_verify_ms"])
     # the weights are not needed to time a run's shape
     (tmp_path / "jobs" / "base" / "drafter" / "model.safetensors").unlink()
     from blockdraft.models.target import load_target

@@ -169,7 +169,7 @@ def step_costs(s: StudySettings, run: Run, block: int, target, prompt: list[int]
 
     path = Path(s.init if run is START else Path(s.runs) / run.name / "drafter") / "config.json"
     draft = DraftModel(config_from_json(json.loads(path.read_text()), str(path))).to(target.device, target.dtype)
-    c = measure_costs(target, draft.eval(), prompt, block, repeats=9)
+    c = measure_costs(target, draft.eval(), prompt, block, repeats=21)
     return {"t1_ms": round(c["t_target"][1] * 1e3, 1), "t_verify_ms": round(c["t_target"][block] * 1e3, 1),
             "t_draft_ms": round(c["t_draft"] * 1e3, 1)}
 
@@ -338,7 +338,10 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
     prompts = load_prompt_sets(s, target)
     if s.jobs > 1:
         train_and_score_side_by_side(s, studies, prompts)
-    written, measured = [], {}  # (shape, block) -> step costs, once per shape in this process
+    # (shape, block) -> step costs, once per shape in this process; the target's own t(1) and t(B)
+    # from the first measurement at each block, shared by every run, so that the predicted speeds
+    # of two runs differ by their tau and their draft forward only, not by the target's timing noise
+    written, measured, target_ms = [], {}, {}
     first = prompts["humaneval"][0][0]
     for study in studies:
         t0 = time.perf_counter()
@@ -357,7 +360,8 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
                 key = (shape_of(s, run), b)
                 if key not in measured:
                     measured[key] = step_costs(s, run, b, target, first)
-                costs.setdefault(run.name, {})[b] = measured[key]
+                    target_ms.setdefault(b, {k: measured[key][k] for k in ("t1_ms", "t_verify_ms")})
+                costs.setdefault(run.name, {})[b] = {**measured[key], **target_ms[b]}
         written.append(write_study(s, study, scores, blocks, command, time.perf_counter() - t0, costs))
         print(f"wrote {written[-1]}", flush=True)
     return written

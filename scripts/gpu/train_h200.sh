@@ -5,6 +5,9 @@
 #   carry gpu-bundle/part0:                   bash scripts/gpu/train_h200.sh smoke 0
 #   carry gpu-bundle/part1:                   bash scripts/gpu/train_h200.sh stash 1
 #   carry gpu-bundle/part2 and gpu-bundle/main: bash scripts/gpu/train_h200.sh run
+#   or, for issue 22's from-scratch studies instead of a training run,
+#   carry gpu-bundle/part2 and gpu-bundle/abl:  bash scripts/gpu/train_h200.sh ablate
+#   (a cut study resumes from its checkpoints if called again while the machine is still warm)
 # `smoke` also checks the GPU code paths on a tiny random target (scripts/gpu/smoke.py). `run`
 # regenerates responses with the fp32 target (three `blockdraft data` processes side by side, one
 # prompt shard each, cut off after DATA_SECONDS; each keeps what it finished), merges them, continues
@@ -22,8 +25,8 @@ case "${1:-}" in
     stash "$2"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$STASH"/*.whl
-    python3 -c "import torch, transformers, gguf, yaml, tqdm, safetensors; print('torch', torch.__version__, \
-'transformers', transformers.__version__, 'gguf', gguf.__version__, torch.cuda.get_device_name())"
+    python3 -c "import importlib.metadata, torch, transformers, gguf, yaml, tqdm, safetensors; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'gguf', importlib.metadata.version('gguf'), torch.cuda.get_device_name())"
     python3 scripts/gpu/smoke.py 2>&1 | grep -v "Loading weights\|Writing model" ;;
   stash)
     stash "$2" ;;
