@@ -284,3 +284,43 @@ def test_a_seed_makes_tree_sampling_reproducible_across_requests():
     engine.generate([9, 9, 9, 9], GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree_budget=12,
                                                    sampling=SamplingParams(1.0)))  # unseeded, adaptive
     assert engine.generate([4, 5, 6], cfg).token_ids == first.token_ids and first.stats.tree_sizes
+
+
+def test_the_drafters_confidence_shapes_each_trees_nodes():
+    """A candidate's rate is its (depth, confidence bin)'s once that bin has verdicts: with the
+    same candidates, a step where the drafter is sure of position 1 grows the tree deep, a step
+    where it is not grows it wide; a bin without verdicts ranks as its (depth, rank)."""
+    rates = TreeRates()
+    cands = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
+    assert rates.rate(1, 0, 0.97) == rates.rate(1, 0) and rates.rate(2, 1, 0.3) == rates.rate(2, 1)
+    sure = [[0.97, 0.01, 0.01, 0.01]] * 3
+    unsure = [[0.35, 0.33, 0.31, 0.01]] * 3
+    for step in range(60):  # verdicts: a sure first candidate is right; unsure ones, half the time at depth 1, never deeper
+        rates.update(Tree([0, 10, 11, 20, 21, 30], [-1, 0, 0, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 0, 1, 0, 1, 0],
+                          confidence=sure), [0, 1, 3, 5])
+        rates.update(Tree([0, 10, 11, 20], [-1, 0, 0, 1], [0, 1, 1, 2], [0, 0, 1, 0], confidence=unsure),
+                     [0, 1 + step % 2])
+    assert rates.rate(1, 0, 0.97) > 0.9 > 0.6 > rates.rate(1, 0, 0.35) > 0.3 > 0.1 > rates.rate(2, 0, 0.35)
+    deep = build_tree(cands, 0, 4, rates, confidence=sure)
+    wide = build_tree(cands, 0, 4, rates, confidence=unsure)
+    assert deep.tokens == [0, 10, 20, 30] and deep.depths == [0, 1, 2, 3]
+    assert wide.tokens == [0, 10, 11, 12] and wide.depths == [0, 1, 1, 1]
+    assert wide.confidence is unsure and truncate(wide, 2).confidence is unsure
+
+
+def test_after_the_draft_a_lone_sequences_tree_is_cut_at_its_own_best_size():
+    """The size planned before the draft (by ranks) is chosen again from the draft's own tree:
+    more nodes where the drafter is sure, fewer where it is not; a size chosen to measure a cost
+    (not the plan's best) stands."""
+    from blockdraft.decoding.adaptive import TreeBudgetPolicy
+
+    policy = TreeBudgetPolicy(8)
+    for n, seconds in ((1, 1.0), (2, 1.2), (4, 1.6), (8, 3.0)):  # sizes 3, 5-7: on the line between
+        for _ in range(3):
+            policy.record(n, 0, seconds)
+    policy.plan([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7])  # the average tree's expected tokens
+    assert policy.choose() == 4  # 2.2 / 1.6 is the best rate
+    assert policy.best_size([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], 4) == 8  # a sure draft
+    assert policy.best_size([1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5], 4) == 2  # an unsure one
+    assert policy.best_size([1.0, 2.0, 3.0], 4) == 3  # never more than the tree's nodes
+    assert policy.best_size([1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5], 8) == 8  # a measure of c(8) stands

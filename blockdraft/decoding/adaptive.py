@@ -199,6 +199,18 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
     def learn(self, block: int, accepted: int) -> None:
         pass  # acceptance is learned by the tree's rates
 
+    def best_size(self, expected: list[float], chosen: int) -> int:
+        """After the draft: the size n >= 2 whose expected tokens (`expected[n - 1]`, the draft's
+        own tree) per measured second of a step are highest, among sizes whose cost is known (the
+        draft forward, paid already, is in each alike); `chosen`, the size planned before the
+        draft, where it was a measure rather than a best guess (the ends of the cost curve, a
+        probe, a stale cost: `choose`) or where no cost is known."""
+        planned = [self.rate(n) for n in range(1, self.max_block + 1)]
+        if None in planned or chosen != 1 + max(range(len(planned)), key=planned.__getitem__):
+            return min(chosen, len(expected))
+        rates = {n: expected[n - 1] / c for n in range(2, len(expected) + 1) if (c := self.step_cost(n))}
+        return max(rates, key=rates.get) if rates else min(chosen, len(expected))
+
 
 @dataclass
 class SequenceRates(AdaptiveBlockPolicy):

@@ -156,8 +156,9 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     depth = min(p.block_size, room) - 1  # block positions the drafter may propose
     size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
     if size > 1 and depth > 0:
-        return DraftWanted(seq, depth + 1, lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen),
-                           p.top)
+        return DraftWanted(seq, depth + 1,
+                           lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen, resize=cap is None),
+                           p.top, ranked=p.greedy_proposals)
     return Proposal(policy=p.tree)
 
 

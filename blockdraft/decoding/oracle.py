@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..models.draft import DraftModel
-from ..models.vocab import top_ids
+from ..models.vocab import Ranked, top_ids
 from .verify import verify_greedy
 
 
@@ -42,6 +42,15 @@ class OracleDraft(DraftModel):
 
     def block_top(self, embed, lm_head, cache, context_taps, anchor, position, block, k):
         return top_ids(self.block_logits(embed, lm_head, cache, context_taps, anchor, position, block), k)
+
+    def block_ranked(self, embed, lm_head, cache, context_taps, anchor, position, block, k):
+        """Its candidates with a confidence that carries no news of which is right (its logits
+        would: the truth is sure when kept): `keep` for the first, the rest shared by the others,
+        the same at every step, so a tree of it is shaped as by ranks alone."""
+        ids = self.block_top(embed, lm_head, cache, context_taps, anchor, position, block, k)  # [block-1, k]
+        probs = torch.full(ids.shape, (1 - self.keep) / max(1, ids.shape[-1] - 1))
+        probs[:, 0] = self.keep
+        return Ranked(ids, probs)
 
     def matching_prefix(self, embed, lm_head, cache, context_taps, anchor, position, block, truth):
         """Its own proposals, not the LM head's: the whole block, then the greedy verdict."""

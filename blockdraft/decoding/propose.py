@@ -14,6 +14,7 @@ one draft forward for all (`draft_blocks`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,8 +22,8 @@ import torch
 
 from .adaptive import AdaptiveBlockPolicy, SequenceRates, TreeBudgetPolicy
 from .lookup import lookup_proposals
-from ..models.vocab import top_ids
-from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees
+from ..models.vocab import Ranked, ranked, top_ids
+from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
 from .verify import SamplingParams, probs_from_logits, sample
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
@@ -132,7 +133,8 @@ class Proposers:
     @property
     def top(self) -> int:
         """What a draft forward returns for these proposals (`DraftWanted.top`): greedy, the best
-        token ids (one per position for a chain, a tree's `WIDTH` candidates); sampled, logits (0)."""
+        token ids (one per position for a chain, a tree's `WIDTH` candidates with the drafter's
+        probability of each, `Ranked`); sampled, logits (0)."""
         if not self.greedy_proposals:
             return 0
         return WIDTH if self.tree_budget is not None else 1
@@ -148,7 +150,10 @@ class Proposers:
     def tree_size(self, depth: int, lookup: list[int], cap: int | None = None) -> tuple[int, int]:
         """This step's node budget (fixed, or the policy's best for the expected value of each n,
         or a batch's choice `cap`) and the block positions the drafter must propose for it (at
-        most `depth`)."""
+        most `depth`). Where the size is chosen again after the draft (`resizes`), the drafter
+        proposes as deep as the largest tree reaches: a draft forward grows slowly with its block
+        (far less than the verify forward with its tokens), and a sure drafter's tree goes deeper
+        than the average plan's."""
         plan = plan_trees(self.rates, depth, self.tree_budget, WIDTH, len(lookup))
         if self.tree is None:
             size = self.tree_budget
@@ -157,18 +162,36 @@ class Proposers:
         else:
             self.tree.plan(plan.expected)
             size = self.tree.choose()
+            if size > 1 and self.resizes:
+                return size, plan.drafter_depth[-1]
         return size, plan.drafter_depth[size - 1]
 
-    def propose_tree(self, drafted: torch.Tensor, anchor: int, size: int, lookup: list[int], gen) -> Proposal:
-        """A tree of `size` nodes (and a lookup branch) from the drafter's best token ids [D, WIDTH]
-        (greedy proposals) or its logits [D, V]."""
+    @property
+    def resizes(self) -> bool:
+        """Whether a lone sequence's tree size is chosen again from its draft's own tree (greedy
+        proposals, whose confidence tells each step's expected tokens; `propose_tree`)."""
+        return self.tree is not None and self.greedy_proposals
+
+    def propose_tree(self, drafted: Ranked | torch.Tensor, anchor: int, size: int, lookup: list[int], gen,
+                     resize: bool = False) -> Proposal:
+        """A tree of `size` nodes (and a lookup branch) from the drafter's best token ids and their
+        probabilities [D, WIDTH] (greedy proposals), shaped by its confidence in each, or from its
+        logits [D, V] (sampled proposals). `resize` (a lone sequence's adaptive size, `resizes`):
+        the size is chosen again from this draft's own tree, whose expected tokens its confidence
+        tells (the plan before the draft knew only the average tree's, by ranks)."""
         if self.greedy_proposals:
-            tree = build_tree(drafted.tolist(), anchor, size, self.rates, lookup)
+            resize = resize and self.resizes
+            tree = build_tree(drafted.ids.tolist(), anchor, self.tree_budget if resize else size, self.rates, lookup,
+                              confidence=drafted.probs.tolist())
+            if resize:
+                tree = truncate(tree, self.tree.best_size(list(itertools.accumulate(tree.values)), size))
+            device = drafted.ids.device
         else:
             q = probs_from_logits(drafted, self.sampling)  # [D, V]
             cands = draft_candidates(q, WIDTH, True, gen)
             tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
-        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=drafted.device)
+            device = drafted.device
+        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)
         return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
 
 
@@ -181,13 +204,15 @@ class DraftWanted:
     block: int
     finish: Callable[[torch.Tensor], Proposal]  # the proposal from the drafter's output for the block
     top: int = 0  # that output: the ids of its `top` best tokens per position [block - 1, top] (0: its logits [block - 1, V])
+    ranked: bool = False  # ... with the drafter's probability of each (`Ranked`; a greedy tree's candidates)
 
 
 def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]:
     """The drafter's output for every sequence that wants a block (its logits [block - 1, V], or
-    its best token ids [block - 1, top]): one draft forward for all that want the same block size
-    (a lone sequence runs the single-sequence forward, the reference's numerics; its best ids come
-    without the full vocabulary's logits, `DraftModel.block_top`)."""
+    its best token ids [block - 1, top], `Ranked` with their probabilities where `ranked`): one
+    draft forward for all that want the same block size (a lone sequence runs the single-sequence
+    forward, the reference's numerics; its best ids come without the full vocabulary's logits,
+    `DraftModel.block_top`)."""
     head = draft.head_for(target.lm_head)
     outputs: list[torch.Tensor | None] = [None] * len(wanted)
     by_block: dict[int, list[int]] = {}
@@ -196,14 +221,22 @@ def draft_blocks(wanted: list[DraftWanted], target, draft) -> list[torch.Tensor]
     for block, group in by_block.items():
         seqs = [wanted[i].seq for i in group]
         if len(seqs) == 1:
-            s, top = seqs[0], wanted[group[0]].top
+            w = wanted[group[0]]
+            s = w.seq
             args = (target.embed_tokens, head, s.draft_cache, torch.cat(s.pending_taps, dim=1), s.anchor, s.position,
                     block)
-            outputs[group[0]] = draft.block_top(*args, top) if top else draft.block_logits(*args)
+            if not w.top:
+                outputs[group[0]] = draft.block_logits(*args)
+            else:
+                outputs[group[0]] = (draft.block_ranked if w.ranked else draft.block_top)(*args, w.top)
             continue
         logits = head(draft.blocks_hidden(target.embed_tokens, [s.draft_cache for s in seqs],
                                           [torch.cat(s.pending_taps, dim=1) for s in seqs],
                                           [s.anchor for s in seqs], [s.position for s in seqs], block))
         for row, i in enumerate(group):  # logits: [B_block, block - 1, V]
-            outputs[i] = top_ids(logits[row], wanted[i].top) if wanted[i].top else logits[row]
+            w = wanted[i]
+            if not w.top:
+                outputs[i] = logits[row]
+            else:
+                outputs[i] = ranked(logits[row], w.top) if w.ranked else top_ids(logits[row], w.top)
     return outputs

@@ -5,7 +5,11 @@ distribution; a chain verifies only one token of each. A tree spends the same ve
 acceptance is likeliest: the root is the anchor, a node at depth d holds a candidate for block
 position d, and the tree is grown greedily by each node's expected value, the product of the
 acceptance rates along its path. The rates, by (depth, rank), are learned online from the
-verdicts (`TreeRates`). A chain is the tree of rank 0 everywhere. Prompt-lookup continuations
+verdicts (`TreeRates`). Where the drafter's probability of each candidate is known (greedy
+proposals, `vocab.Ranked`), the rate of a node is the one learned for its depth and that
+probability's bin instead: the drafter's confidence, calibrated by the verdicts, shapes each
+step's tree (deep where it is sure, wide where it is not), as EAGLE-2 shapes its trees by the
+draft's scores. A chain is the tree of rank 0 everywhere. Prompt-lookup continuations
 enter the same tree as one more branch (rank `LOOKUP`), so a step never has to choose between
 lookup and drafter.
 
@@ -29,6 +33,7 @@ The cache then keeps exactly the accepted path (`Target.keep_path`).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,6 +45,10 @@ from .verify import sample
 
 LOOKUP = -1  # the rank of a prompt-lookup node
 WIDTH = 4  # drafter candidates per block position
+# bins of the drafter's probability of a candidate (`TreeRates.rate`'s confidence): fine at both
+# ends, where the top candidate's sure positions and the runners-up's long shots fall
+CONFIDENCE_EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+CONFIDENCE_DEPTHS = 6  # depths 6 and deeper share their bins
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Tree:
     ranks: list[int]  # its candidate's rank at position d (0 = the drafter's first; LOOKUP; root 0)
     values: list[float] = field(default_factory=list)  # expected value: P(node accepted), root 1
     candidates: list[list[int]] = field(default_factory=list)  # [depth - 1][rank]: all drafter candidates
+    confidence: list[list[float]] | None = None  # [depth - 1][rank]: the drafter's probability of each (None: unknown)
     q: torch.Tensor | None = None  # [D, V] the distributions sampled candidates were drawn from (None: deterministic)
 
     def __len__(self) -> int:
@@ -92,41 +102,61 @@ class TreeRates:
     tried: dict = field(default_factory=dict)
     prior_weight: float = 2.0
     memory: int = 2000
+    by_confidence: bool = True  # False: ranks alone, as before confidence (scripts/tree_tau.py compares)
 
-    def rate(self, depth: int, rank: int) -> float:
+    def rate(self, depth: int, rank: int, confidence: float | None = None) -> float:
+        """P(accepted | parent accepted) of the rank-th candidate at this depth; given the drafter's
+        probability of the candidate, the rate of its (depth, confidence bin), whose prior is the
+        (depth, rank) rate: a bin not yet measured ranks as before, a measured one by its verdicts."""
         prior = 0.5 if rank == LOOKUP else 0.5 ** (rank + 1)
         key = (depth, rank)
-        return (self.accepted.get(key, 0) + self.prior_weight * prior) / (self.tried.get(key, 0) + self.prior_weight)
+        by_rank = (self.accepted.get(key, 0) + self.prior_weight * prior) / (self.tried.get(key, 0) + self.prior_weight)
+        if confidence is None or rank == LOOKUP or not self.by_confidence:
+            return by_rank
+        key = confidence_key(depth, confidence)
+        return (self.accepted.get(key, 0) + self.prior_weight * by_rank) / (self.tried.get(key, 0) + self.prior_weight)
 
     def update(self, tree: Tree, path: list[int]) -> None:
         """Every child of an accepted node was tried; the one on the path was accepted."""
         on_path = set(path)
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
-                key = (tree.depths[i], tree.ranks[i])
-                self.tried[key] = self.tried.get(key, 0) + 1
-                self.accepted[key] = self.accepted.get(key, 0) + (i in on_path)
-                if self.tried[key] > self.memory:
-                    self.tried[key] //= 2
-                    self.accepted[key] /= 2
+                d, r = tree.depths[i], tree.ranks[i]
+                self._count((d, r), i in on_path)
+                if tree.confidence is not None and r != LOOKUP:
+                    self._count(confidence_key(d, tree.confidence[d - 1][r]), i in on_path)
+
+    def _count(self, key: tuple, accepted: bool) -> None:
+        self.tried[key] = self.tried.get(key, 0) + 1
+        self.accepted[key] = self.accepted.get(key, 0) + accepted
+        if self.tried[key] > self.memory:
+            self.tried[key] //= 2
+            self.accepted[key] /= 2
+
+
+def confidence_key(depth: int, confidence: float) -> tuple[str, int, int]:
+    return ("confidence", min(depth, CONFIDENCE_DEPTHS), bisect.bisect(CONFIDENCE_EDGES, confidence))
 
 
 def build_tree(candidates: list[list[int]], anchor: int, budget: int, rates: TreeRates,
-               lookup: list[int] = (), merge: bool = True, q: torch.Tensor | None = None) -> Tree:
+               lookup: list[int] = (), merge: bool = True, q: torch.Tensor | None = None,
+               confidence: list[list[float]] | None = None) -> Tree:
     """A tree of at most `budget` nodes (the root included). `candidates[d - 1]`: the drafter's
-    tokens for position d, best first; `lookup`: a prompt-lookup continuation, a chain from the
-    root. Nodes are added in order of expected value, so the first n nodes are the best tree of n
-    (`truncate`). `merge`: a candidate equal to a sibling's token reuses that node (its own
-    children continue under it); right when every candidate is deterministic (T = 0, argmax
-    proposals), not for sampled ones, whose every draw is a stage of the verdict (`q` given)."""
-    tree = Tree([anchor], [-1], [0], [0], [1.0], [list(c) for c in candidates], q)
+    tokens for position d, best first (`confidence[d - 1]`: its probability of each, if known);
+    `lookup`: a prompt-lookup continuation, a chain from the root. Nodes are added in order of
+    expected value, so the first n nodes are the best tree of n (`truncate`). `merge`: a candidate
+    equal to a sibling's token reuses that node (its own children continue under it); right when
+    every candidate is deterministic (T = 0, argmax proposals), not for sampled ones, whose every
+    draw is a stage of the verdict (`q` given)."""
+    tree = Tree([anchor], [-1], [0], [0], [1.0], [list(c) for c in candidates], confidence, q)
     frontier: list[tuple[float, int, int, int, int]] = []  # (-value, order, parent, depth, rank)
     order = 0
     where: dict[tuple[int, int], int] = {}  # (parent, token) -> node, for merging
 
     def push(parent: int, value: float, depth: int, rank: int) -> None:
         nonlocal order
-        heapq.heappush(frontier, (-value * rates.rate(depth, rank), order, parent, depth, rank))
+        sure = confidence[depth - 1][rank] if confidence is not None and rank != LOOKUP else None
+        heapq.heappush(frontier, (-value * rates.rate(depth, rank, sure), order, parent, depth, rank))
         order += 1
 
     def drafter_children(node: int, depth: int) -> None:
@@ -159,7 +189,7 @@ def build_tree(candidates: list[list[int]], anchor: int, budget: int, rates: Tre
 def truncate(tree: Tree, n: int) -> Tree:
     """The tree of its first n nodes (a parent always precedes its children)."""
     return Tree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ranks[:n], tree.values[:n],
-                tree.candidates, tree.q)
+                tree.candidates, tree.confidence, tree.q)
 
 
 @dataclass

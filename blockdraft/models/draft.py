@@ -17,6 +17,7 @@ from torch import nn
 
 from . import few_rows
 from .norms import runs_fused
+from .vocab import Ranked, ranked, top_ids
 from .draft_cache import DraftCache  # noqa: F401  (re-exported: the drafter's cache, beside the drafter)
 from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
     SCALED_ROPE_TYPES, DraftConfig, build_draft_config, default_target_layer_ids, init_scale_check,
@@ -385,6 +386,14 @@ class DraftModel(nn.Module):
         head's taken on the subset (no full-vocabulary logits to build and scan)."""
         return _best_ids(lm_head, self.block_hidden(embed, cache, context_taps, anchor, position, block), k)
 
+    def block_ranked(
+        self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
+        anchor: int, position: int, block: int, k: int,
+    ) -> Ranked:
+        """`block_top`'s ids [block-1, k] with the drafter's probability of each (a tree's candidates
+        and its confidence in them, tree.py)."""
+        return _ranked(lm_head, self.block_hidden(embed, cache, context_taps, anchor, position, block), k)
+
     @torch.inference_mode()
     def matching_prefix(
         self, embed: nn.Module, lm_head: nn.Module, cache: DraftCache, context_taps: torch.Tensor,
@@ -405,6 +414,9 @@ class DraftModel(nn.Module):
 def _best_ids(lm_head: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the `k` best tokens of each row of `hidden` [..., k]: on a subset head's own rows
     (`SubsetHead.top`), else from the head's logits."""
-    from .vocab import top_ids
-
     return lm_head.top(hidden, k) if hasattr(lm_head, "top") else top_ids(lm_head(hidden), k)
+
+
+def _ranked(lm_head: nn.Module, hidden: torch.Tensor, k: int) -> Ranked:
+    """`_best_ids` with the probabilities of those tokens (`vocab.Ranked`)."""
+    return lm_head.ranked(hidden, k) if hasattr(lm_head, "ranked") else ranked(lm_head(hidden), k)

@@ -17,6 +17,7 @@ and moved into the subfolder whenever the drafter is saved or given a subset aga
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,6 +116,22 @@ def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.argmax(-1, keepdim=True) if k == 1 else scores.topk(k, dim=-1).indices
 
 
+@dataclass
+class Ranked:
+    """Each row's `k` best tokens, best first, with their probabilities under the row's softmax:
+    a token tree's candidates and the drafter's confidence in each (tree.py)."""
+
+    ids: torch.Tensor  # [..., k]
+    probs: torch.Tensor  # [..., k] fp32
+
+
+def ranked(scores: torch.Tensor, k: int) -> Ranked:
+    """`top_ids(scores, k)` (k > 1: the same top-k) and their softmax probabilities."""
+    logp = scores.float().log_softmax(-1)
+    values, ids = logp.topk(min(k, scores.shape[-1]), dim=-1)
+    return Ranked(ids, values.exp())
+
+
 class SubsetHead(nn.Module):
     """The target's LM head restricted to the subset's rows (all rows: a copy in another dtype). Its logits keep the full vocabulary's
     shape [..., V] (-inf outside the subset), so proposals and q need no index mapping."""
@@ -134,6 +151,12 @@ class SubsetHead(nn.Module):
         without the full vocabulary's logits (at most the subset's size; the ids are sorted, so the
         first best of the subset is the first best of the full row, ties included)."""
         return self.ids[top_ids(self.rows(hidden), min(k, len(self.ids)))]
+
+    def ranked(self, hidden: torch.Tensor, k: int) -> Ranked:
+        """`ranked(forward(hidden), k)` on the subset's rows (the softmax over the subset: the
+        full row's, since every other token scores -inf)."""
+        best = ranked(self.rows(hidden), min(k, len(self.ids)))
+        return Ranked(self.ids[best.ids], best.probs)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         sub = self.rows(hidden)  # [..., V_d]
