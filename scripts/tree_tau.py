@@ -14,7 +14,8 @@ from collections import defaultdict
 
 from blockdraft.cli.common import load_engine
 from blockdraft.decoding.engine import GenerationConfig
-from blockdraft.decoding.tree import CONFIDENCE_EDGES, LOOKUP, TreeRates, confidence_key
+from blockdraft.decoding.tree import CONFIDENCE_EDGES, LOOKUP, TreeRates, confidence_key, tried_nodes
+from blockdraft.evaluation.datasets import load_prompts
 
 
 class LoggedRates(TreeRates):
@@ -25,11 +26,10 @@ class LoggedRates(TreeRates):
         self.nodes: list[tuple[int, int, float, bool]] = []
 
     def update(self, tree, path):
-        on_path = set(path)
-        for i in range(1, len(tree)):
+        for i, accepted in tried_nodes(tree, path):
             d, r = tree.depths[i], tree.ranks[i]
-            if tree.parents[i] in on_path and r != LOOKUP:
-                self.nodes.append((d, r, tree.confidence[d - 1][r], i in on_path))
+            if r != LOOKUP:
+                self.nodes.append((d, r, tree.confidence[d - 1][r], accepted))
         super().update(tree, path)
 
 
@@ -63,7 +63,6 @@ def calibration(nodes) -> None:
     print("first candidates by confidence: nodes, accepted share")
     for b, (s, n) in sorted(bins.items()):
         print(f"  {edges[b]:.2f}-{edges[b + 1]:.2f}  {n:5d}  {s / n:.2f}")
-from blockdraft.evaluation.datasets import load_prompts
 
 
 def main() -> None:

@@ -61,6 +61,7 @@ class AdaptiveBlockPolicy:
     steps: int = 0  # choices made
     measured_at: dict[int, int] = field(default_factory=dict)  # block -> the step of its last measure
     last_recheck: int = 0
+    guess: int | None = None  # the last choice where it was the best rate's (None: a measure, see `choose`)
 
     def __post_init__(self):
         self.tried = [0] * self.max_block
@@ -111,6 +112,7 @@ class AdaptiveBlockPolicy:
         # Measure both ends of the cost curve first (unless expected already): the full block, then
         # a plain step, each twice (a first call can cost many times the next: kernels that
         # measure or pack themselves on it, record keeps the lower).
+        self.guess = None
         for end in (self.max_block, 1):
             if end not in self.prior_cost and (end not in self.cost or self.measures.get(end) == 1):
                 return end
@@ -120,7 +122,10 @@ class AdaptiveBlockPolicy:
         best = max(range(1, self.max_block + 1), key=self.rate)
         if best == 1 and self.probe_due():
             return self.max_block
-        return self.stale_block(best) or best
+        stale = self.stale_block(best)
+        if stale is None:
+            self.guess = best
+        return stale or best
 
     def stale_block(self, best: int) -> int | None:
         """A block to measure again instead of `best` (see the module doc), or None. Only while the
@@ -205,8 +210,7 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
         draft forward, paid already, is in each alike); `chosen`, the size planned before the
         draft, where it was a measure rather than a best guess (the ends of the cost curve, a
         probe, a stale cost: `choose`) or where no cost is known."""
-        planned = [self.rate(n) for n in range(1, self.max_block + 1)]
-        if None in planned or chosen != 1 + max(range(len(planned)), key=planned.__getitem__):
+        if chosen != self.guess:
             return min(chosen, len(expected))
         rates = {n: expected[n - 1] / c for n in range(2, len(expected) + 1) if (c := self.step_cost(n))}
         return max(rates, key=rates.get) if rates else min(chosen, len(expected))

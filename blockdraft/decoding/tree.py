@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -117,14 +117,11 @@ class TreeRates:
         return (self.accepted.get(key, 0) + self.prior_weight * by_rank) / (self.tried.get(key, 0) + self.prior_weight)
 
     def update(self, tree: Tree, path: list[int]) -> None:
-        """Every child of an accepted node was tried; the one on the path was accepted."""
-        on_path = set(path)
-        for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                d, r = tree.depths[i], tree.ranks[i]
-                self._count((d, r), i in on_path)
-                if tree.confidence is not None and r != LOOKUP:
-                    self._count(confidence_key(d, tree.confidence[d - 1][r]), i in on_path)
+        for i, accepted in tried_nodes(tree, path):
+            d, r = tree.depths[i], tree.ranks[i]
+            self._count((d, r), accepted)
+            if tree.confidence is not None and r != LOOKUP:
+                self._count(confidence_key(d, tree.confidence[d - 1][r]), accepted)
 
     def _count(self, key: tuple, accepted: bool) -> None:
         self.tried[key] = self.tried.get(key, 0) + 1
@@ -132,6 +129,15 @@ class TreeRates:
         if self.tried[key] > self.memory:
             self.tried[key] //= 2
             self.accepted[key] /= 2
+
+
+def tried_nodes(tree: Tree, path: list[int]) -> Iterator[tuple[int, bool]]:
+    """(node, accepted) of each node a verdict tried: every child of an accepted node was tried;
+    the one on the path was accepted."""
+    on_path = set(path)
+    for i in range(1, len(tree)):
+        if tree.parents[i] in on_path:
+            yield i, i in on_path
 
 
 def confidence_key(depth: int, confidence: float) -> tuple[str, int, int]:

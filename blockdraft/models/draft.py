@@ -17,7 +17,7 @@ from torch import nn
 
 from . import few_rows
 from .norms import runs_fused
-from .vocab import Ranked, ranked, top_ids
+from .vocab import Ranked, SubsetHead, ranked, top_ids
 from .draft_cache import DraftCache  # noqa: F401  (re-exported: the drafter's cache, beside the drafter)
 from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
     SCALED_ROPE_TYPES, DraftConfig, build_draft_config, default_target_layer_ids, init_scale_check,
@@ -244,7 +244,6 @@ class DraftModel(nn.Module):
         key = (weight, self.dtype, self.vocab_ids, self.weight_storage)
         if self._subset_head is None or any(a is not b for a, b in zip(self._subset_head[0], key)):
             from .kernels import prepack
-            from .vocab import SubsetHead
 
             ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(weight.shape[0])
             head = SubsetHead(weight.detach().to(self.dtype), ids)
