@@ -12,6 +12,7 @@ from blockdraft.decoding.tree import (LOOKUP, Tree, TreeRates, build_tree, draft
                              verify_tree_greedy, verify_tree_sampled)
 
 from conftest import tiny_draft, tiny_target
+from test_adaptive import SimulatedClock
 from test_sampling import total_variation
 from families import tiny_family
 
@@ -83,7 +84,8 @@ def test_adaptive_trees_verify_the_lookup_alone_where_it_pays():
     target = tiny_target("llama")
     prompt = list(range(3, 40)) * 2
     expected = greedy(Engine(target), prompt, n=48).token_ids
-    engine = Engine(target, tiny_draft(target, block_size=8))
+    draft = tiny_draft(target, block_size=8)
+    engine = Engine(target, draft, clock=SimulatedClock(target, draft))  # the same costs on every run
     for _ in range(2):  # the engine keeps its policies: the second request starts from what the first learned
         got = greedy(engine, prompt, n=48, budget=16, block=None, lookup=True)
         assert got.token_ids == expected
@@ -123,8 +125,6 @@ def test_plans_give_the_expected_tokens_and_drafted_depth_of_the_best_trees():
 
 
 def test_the_budget_policy_grows_trees_for_a_good_drafter_and_drops_them_for_a_useless_one():
-    from test_adaptive import SimulatedClock
-
     target = tiny_target("llama")
     prompt = PROMPTS[1]
     expected = greedy(Engine(target), prompt, n=120).token_ids
