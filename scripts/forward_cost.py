@@ -140,7 +140,8 @@ def draft_compared(target, blocks: list[int], cold: bool = False) -> None:
     """The bundled drafter's forward over a block plus its head over the block's rows, at a
     256-token context with two new context rows per step (a step that committed two tokens), in
     four setups: fp32 as written (the drafter's linear layers packed, as before), with its norms and
-    per-head norm + RoPE fused, and with bf16 or int8 weights too (kernels.draft_precision).
+    per-head norm + RoPE fused, and with bf16 or int8 weights too (kernels.draft_precision); on a
+    CPU with native bf16, a fifth: the drafter cast to bf16 and computed by oneDNN.
     cold: the CPU's caches are evicted before each call, as the target's forward evicts them in a
     decode step (else the drafter's 40 MB of weights partly stay in the L3 between calls)."""
     from blockdraft.decoding.engine import Engine
@@ -176,9 +177,17 @@ def draft_compared(target, blocks: list[int], cold: bool = False) -> None:
             before = evict_caches if cold else None
             return {b: round(1e3 * timed(lambda b=b: step(b), target.device, 15, before), 2) for b in blocks}
 
-    best = alternating({"fp32, as written": setup(torch.float32, False), "fp32, fused": setup(torch.float32, True),
-                        "bf16 weights, fused": setup(torch.bfloat16, True),
-                        "int8 weights, fused": setup(torch.int8, True)}, measure, 3)
+    def onednn_bf16():  # what the engine ran before few-row panels were preferred on such CPUs
+        Engine(target, draft, draft_dtype=torch.float32)
+        draft.to(dtype=torch.bfloat16)
+        draft.weight_storage = None
+        kernels.prepack(draft, None)
+
+    setups = {"fp32, as written": setup(torch.float32, False), "fp32, fused": setup(torch.float32, True),
+              "bf16 weights, fused": setup(torch.bfloat16, True), "int8 weights, fused": setup(torch.int8, True)}
+    if kernels.native_bf16_packing(target.device):
+        setups["bf16 compute (oneDNN)"] = onednn_bf16
+    best = alternating(setups, measure, 3)
     print_rows(best, blocks, "block (draft forward + head)")
 
 

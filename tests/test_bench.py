@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from blockdraft.evaluation import bench
+from blockdraft.decoding.engine import Engine
+from blockdraft.evaluation import bench, methods
+from blockdraft.models import few_rows
 from blockdraft.evaluation.datasets import load_prompts
 from blockdraft.errors import BlockdraftError
 
@@ -103,27 +105,46 @@ def test_bad_method_lists_are_refused():
                 ("dflash@0.5",), ("oracle:0",), ("oracle@0.9:x",),
                 ("hf+lookup",), ("oracle+lookup",), ("oracle-lookup",), ("ar-lookup+lookup",)):
         with pytest.raises(BlockdraftError):
-            bench.check_methods(bad)
+            methods.check_methods(bad)
     target = tiny_target("llama")
     with pytest.raises(BlockdraftError, match="assistant"):
         bench.run_bench(target, None, [[1, 2]], ("hf-assisted",), max_new_tokens=4, progress=False)
 
 
 def test_method_specs_parse():
-    assert bench.parse_method("oracle@0.9:16") == bench.MethodSpec("oracle", 0.9, 16)
-    assert bench.parse_method("oracle", 0.7) == bench.MethodSpec("oracle", 0.7, None)
-    assert bench.parse_method("dflash:8") == bench.MethodSpec("dflash", None, 8, lookup=True)  # as it ships
-    assert bench.parse_method("dflash-lookup:8") == bench.MethodSpec("dflash", None, 8, lookup=False)
-    assert bench.parse_method("dflash+lookup") == bench.parse_method("dflash")
-    assert bench.parse_method("hf-pld") == bench.MethodSpec("hf-pld")
-    assert bench.parse_method("ar") == bench.MethodSpec("ar", lookup=False)  # plain decoding
-    assert bench.parse_method("ar+lookup") == bench.MethodSpec("ar", lookup=True)
-    assert bench.parse_method("dflash-lookup+tree16:16") == bench.MethodSpec("dflash", None, 16, False, 16)
-    assert bench.parse_method("oracle@0.5+tree8") == bench.MethodSpec("oracle", 0.5, None, False, 8)
-    assert bench.parse_method("dflash+tree").tree_budget == bench.TREE_BUDGET
+    assert methods.parse_method("oracle@0.9:16") == methods.MethodSpec("oracle", 0.9, 16)
+    assert methods.parse_method("oracle", 0.7) == methods.MethodSpec("oracle", 0.7, None)
+    assert methods.parse_method("dflash:8") == methods.MethodSpec("dflash", None, 8, lookup=True)  # as it ships
+    assert methods.parse_method("dflash-lookup:8") == methods.MethodSpec("dflash", None, 8, lookup=False)
+    assert methods.parse_method("dflash+lookup") == methods.parse_method("dflash")
+    assert methods.parse_method("hf-pld") == methods.MethodSpec("hf-pld")
+    assert methods.parse_method("ar") == methods.MethodSpec("ar", lookup=False)  # plain decoding
+    assert methods.parse_method("ar+lookup") == methods.MethodSpec("ar", lookup=True)
+    assert methods.parse_method("dflash-lookup+tree16:16") == methods.MethodSpec("dflash", None, 16, False, 16)
+    assert methods.parse_method("oracle@0.5+tree8") == methods.MethodSpec("oracle", 0.5, None, False, 8)
+    assert methods.parse_method("dflash+tree").tree_budget == methods.TREE_BUDGET
     for bad in ("dflash+tree0", "dflash+treex", "ar+tree8"):
         with pytest.raises(BlockdraftError, match="tree"):
-            bench.parse_method(bad)
+            methods.parse_method(bad)
+    assert methods.parse_method("dflash-lookup+tree16:4/int8") == methods.MethodSpec("dflash", None, 4, False, 16, "int8")
+    for bad in ("ar/int8", "dflash/auto", "dflash/fp8", "hf/float32"):
+        with pytest.raises(BlockdraftError, match="dtype"):
+            methods.parse_method(bad)
+
+
+@pytest.mark.skipif(not few_rows.runs_on(torch.device("cpu"), torch.float32), reason="int8 weights need the few-row kernel")
+def test_a_method_with_its_own_drafter_dtype_leaves_the_callers_drafter_as_it_was():
+    """`dflash/int8` runs a copy of the drafter with int8 weights beside `dflash` with the caller's
+    fp32 one; both keep plain decoding's greedy output, and the caller's drafter is not repacked."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=4)
+    Engine(target, draft)  # set up in fp32, as a caller does
+    report = bench.run_bench(target, draft, [[1, 2, 3], [4, 5]], ("dflash", "dflash/int8", "ar"), max_new_tokens=12,
+                             block_size=4, progress=False)
+    assert report["mismatches"] == []
+    assert report["methods"]["dflash/int8"]["draft_precision"] == "torch.int8 weights, torch.float32 compute"
+    assert draft.weight_storage is None and draft.precision == "torch.float32"
+    assert report["draft_precision"] == "torch.float32"
 
 
 def test_a_method_block_size_and_given_references():

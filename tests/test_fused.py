@@ -183,13 +183,14 @@ def _stored(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
 @needs_few_rows
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
 def test_a_drafter_with_bf16_or_int8_weights_keeps_greedy_output_and_computes_them_in_fp32(storage, monkeypatch):
-    """On a CPU without native bf16 (forced here), bf16 means bf16 weights computed in fp32, `auto`
-    picks it beside an fp32 target; int8 weights likewise. Greedy output stays plain decoding's,
+    """Where the few-row kernel runs, bf16 means bf16 weights computed in fp32, even on a CPU with
+    native bf16 (forced either way here), and `auto` picks int8 weights, computed in fp32 too. Greedy output stays plain decoding's,
     and the fused drafter computes what the drafter as written does with the same stored weights."""
-    monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: False)
-    assert draft_precision(CPU, storage) == (torch.float32, storage)
-    assert draft_precision(CPU, torch.float32) == (torch.float32, None)
-    assert fast_draft_dtype(CPU, torch.float32) == torch.bfloat16
+    for native in (False, True):
+        monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: native)
+        assert draft_precision(CPU, storage) == (torch.float32, storage)
+        assert draft_precision(CPU, torch.float32) == (torch.float32, None)
+        assert fast_draft_dtype(CPU, torch.float32) == torch.int8
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=6)
     cfg = GenerationConfig(max_new_tokens=40, block_size=6, stop_token_ids=(), lookup=False)
@@ -220,3 +221,11 @@ def test_int8_drafter_weights_are_refused_where_the_few_row_kernel_cannot_run(mo
     monkeypatch.setattr(few_rows, "runs_on", lambda device, dtype: False)
     with pytest.raises(BlockdraftError, match="int8 drafter weights need the few-row kernel"):
         draft_precision(CPU, torch.int8)
+
+
+def test_auto_draft_dtype_without_the_few_row_kernel_is_native_bf16_or_the_targets(monkeypatch):
+    monkeypatch.setattr(few_rows, "runs_on", lambda device, dtype: False)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr("blockdraft.models.kernels.native_bf16_packing", lambda device: native)
+        assert fast_draft_dtype(CPU, torch.float32) == expected
+    assert draft_precision(CPU, torch.bfloat16) == (torch.bfloat16, None)  # oneDNN's (or emulated) bf16

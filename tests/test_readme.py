@@ -29,6 +29,8 @@ ELSEWHERE = {
 }
 # the headline figures: their commands and results are in docs/ (performance, serving, bundled drafter, vllm)
 HEADLINE = {
+    "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash,dflash+tree16,dflash-lookup,dflash-lookup+tree16,ar,hf",
+    "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash,dflash+tree16,dflash-lookup,dflash-lookup+tree16,ar,hf",
     "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash,dflash-lookup,dflash-lookup:4,dflash-lookup+tree16,ar,hf,hf-pld,vllm,vllm-dflash:4",
     "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash,dflash-lookup,ar,hf,hf-pld,vllm,vllm-dflash:4",
     "blockdraft bench-serve --dataset mt-bench --limit 32 --concurrency 1,2,4,8,16 --max-batch 1,16 --max-new-tokens 128",

@@ -324,3 +324,26 @@ def test_after_the_draft_a_lone_sequences_tree_is_cut_at_its_own_best_size():
     assert policy.best_size([1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5], 4) == 2  # an unsure one
     assert policy.best_size([1.0, 2.0, 3.0], 4) == 3  # never more than the tree's nodes
     assert policy.best_size([1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5], 8) == 8  # a measure of c(8) stands
+
+
+def test_the_commands_tree_default_is_trees_for_greedy_adaptive_decoding_and_chains_elsewhere():
+    """`generate` and `chat` verify trees of up to DEFAULT_TREE nodes unless told otherwise, where
+    trees were measured ahead (greedy, adaptive blocks); chains at T > 0, at a fixed block, without a
+    drafter and for a target that cannot keep a tree's path; `--tree 0` asks for chains."""
+    from types import SimpleNamespace
+
+    from blockdraft.cli.common import DEFAULT_TREE, tree_budget
+
+    def engine(draft=True, trees=True):
+        return SimpleNamespace(draft=object() if draft else None, target=SimpleNamespace(supports_trees=trees))
+
+    assert tree_budget(None, None, 0.0, engine()) == DEFAULT_TREE
+    assert tree_budget(None, None, 0.7, engine()) is None
+    assert tree_budget(None, 4, 0.0, engine()) is None
+    assert tree_budget(None, None, 0.0, engine(draft=False)) is None
+    assert tree_budget(None, None, 0.0, engine(trees=False)) is None
+    assert tree_budget(0, None, 0.0, engine()) is None
+    assert tree_budget(8, 4, 0.7, engine()) == 8
+    for bad in (-1, 257):
+        with pytest.raises(BlockdraftError, match="--tree"):
+            tree_budget(bad, None, 0.0, engine())

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ..errors import BlockdraftError
+from ..evaluation.methods import DRAFT_DTYPES as METHOD_DRAFT_DTYPES
 
 BUNDLED_DRAFTERS = Path(__file__).parent.parent / "drafters"
 
@@ -45,7 +46,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT_DTYPES = DTYPES + ("int8",)  # int8: the drafter's weights only, computed in fp32 (kernels.draft_precision)
+DRAFT_DTYPES = ("auto",) + METHOD_DRAFT_DTYPES  # int8: the drafter's weights only, computed in fp32
 
 
 def parse_dtype(name: str, choices: tuple = DTYPES):
@@ -84,6 +85,34 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                    help="the drafter's dtype; it cannot change the output (auto: see kernels.fast_draft_dtype; "
                         "on a CPU with the few-row kernel, bfloat16 and int8 store the drafter's weights in "
                         "that type and compute in float32)")
+
+
+DEFAULT_TREE = 16  # greedy decoding verifies token trees of up to 16 nodes unless told otherwise (docs/trees.md)
+
+
+def add_tree_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help=f"verify token trees of up to N nodes instead of chains, the lookup continuation as one "
+                        f"more branch, N adaptive per step unless --block-size is given; 0: chains (default: "
+                        f"{DEFAULT_TREE} for greedy decoding at adaptive blocks, else chains)")
+
+
+def tree_budget(tree: int | None, block_size: int | None, temperature: float, engine) -> int | None:
+    """The node budget a command's `--tree` asks for (None: chains). Unset: trees of up to
+    DEFAULT_TREE nodes where they were measured ahead (greedy, adaptive blocks, a drafter, a target
+    whose cache can keep a tree's path), chains elsewhere (at a fixed `--block-size` a tree would
+    verify all DEFAULT_TREE nodes every step)."""
+    if tree is None:
+        ahead = block_size is None and temperature == 0 and engine.draft is not None
+        return DEFAULT_TREE if ahead and engine.target.supports_trees else None
+    return check_tree(tree) or None
+
+
+def check_tree(tree: int | None) -> int | None:
+    """`--tree`, refused before any work where it is out of range."""
+    if tree is not None and not 0 <= tree <= 256:
+        raise BlockdraftError(f"--tree must be in [0, 256] (0: chains; got {tree})")
+    return tree
 
 
 def add_lookup_arg(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import BlockdraftError
-from .common import add_dtype_args, add_lookup_arg, load_engine, read_prompts
+from .common import add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
 
 
 def cmd_generate(
@@ -19,11 +19,13 @@ def cmd_generate(
     from ..decoding.verify import SamplingParams
 
     rows = read_prompts(prompt, prompts_file)
-    base = GenerationConfig(
-        max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed).validate(),
-        block_size=block_size, stop_strings=tuple(stop), lookup=lookup, tree_budget=tree,
-    )
+    sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
+    check_tree(tree)
     engine = load_engine(target, draft, device, dtype, draft_dtype)
+    base = GenerationConfig(
+        max_new_tokens=max_new_tokens, sampling=sampling, block_size=block_size, stop_strings=tuple(stop),
+        lookup=lookup, tree_budget=tree_budget(tree, block_size, temperature, engine),
+    )
     tgt = engine.target
     use_chat = tgt.has_chat_template if chat is None else chat
     if use_chat and not tgt.has_chat_template:
@@ -60,16 +62,18 @@ def cmd_generate(
 
 def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,
              seed: int | None, system: str | None, device: str | None, lookup: bool = True,
-             dtype: str = "auto", draft_dtype: str = "auto") -> None:
+             dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None) -> None:
     from ..serving.chat import chat_loop
     from ..decoding.engine import GenerationConfig
     from ..decoding.verify import SamplingParams
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens,
-                              sampling=SamplingParams(temperature, 0, top_p, seed).validate(), lookup=lookup)
+    sampling = SamplingParams(temperature, 0, top_p, seed).validate()
     if not 1 <= max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
+    check_tree(tree)
     engine = load_engine(target, draft, device, dtype, draft_dtype)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, lookup=lookup,
+                              tree_budget=tree_budget(tree, None, temperature, engine))
     if not engine.target.has_chat_template:
         raise BlockdraftError(f"target {target!r} has no chat template")
     chat_loop(engine, config, system)
@@ -136,9 +140,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    g.add_argument("--tree", type=int, default=None, metavar="N",
-                   help="verify token trees of up to N nodes instead of chains, the lookup continuation "
-                        "as one more branch (N adaptive per step unless --block-size is given)")
+    add_tree_arg(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_lookup_arg(g)
     add_dtype_args(g)
@@ -154,6 +156,7 @@ def add_parsers(sub) -> None:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--system", default=None, help="a system message to start every conversation")
+    add_tree_arg(c)
     add_lookup_arg(c)
     add_dtype_args(c)
     c.add_argument("--device", default=None)

