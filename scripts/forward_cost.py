@@ -191,6 +191,38 @@ def draft_compared(target, blocks: list[int], cold: bool = False) -> None:
     print_rows(best, blocks, "block (draft forward + head)")
 
 
+def draft_linear_compared(target, rows: list[int]) -> None:
+    """The bundled drafter's linear layers and head (its draft-vocabulary rows) at each number of
+    rows, cold (caches evicted before each call), by kernel: int8 and bf16 few-row panels, and
+    oneDNN's bf16 arithmetic where the CPU has it (what a drafter's calls of more than
+    kernels.MANY_ROWS rows run there)."""
+    from blockdraft.cli.common import bundled_drafter
+    from blockdraft.models.checkpoint import load_draft
+
+    draft = load_draft(bundled_drafter("smollm2-135m"))
+    weights = [m.weight.detach() for m in draft.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(target.lm_head.weight.detach()[draft.vocab_ids])
+    kinds = {"int8 panels": [few_rows.pack(w, torch.int8) for w in weights],
+             "bf16 panels": [few_rows.pack(w, torch.bfloat16) for w in weights]}
+    onednn = kernels.native_bf16_packing(target.device)
+    if onednn:
+        kinds["oneDNN bf16"] = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), kernels.PACK_HINT) for w in weights]
+    print("rows".ljust(16) + "".join(f"{r:>8}" for r in rows))
+    with torch.inference_mode():
+        for name, packs in kinds.items():
+            def call(xs, packs=packs, name=name):
+                for x, p, w in zip(xs, packs, weights):
+                    if name == "oneDNN bf16":
+                        torch.ops.mkldnn._linear_pointwise(x.bfloat16(), p, None, "none", [], "").float()
+                    else:
+                        few_rows.linear(x, p, w.shape[0], None)
+            cells = []
+            for r in rows:
+                xs = [torch.randn(r, w.shape[1]) for w in weights]
+                cells.append(1e3 * timed(lambda: call(xs), target.device, 15, evict_caches))
+            print(name.ljust(16) + "".join(f"{c:8.2f}" for c in cells))
+
+
 def small_rows_compared(target, tokens: list[int]) -> None:
     """oneDNN's few-row kernel choice measured over streamed weights against one weight kept in the cache."""
     use_few_rows(target, False)
@@ -226,6 +258,8 @@ def main() -> None:
     parser.add_argument("--norms", action="store_true", help="fused RMSNorms against transformers' own")
     parser.add_argument("--draft", action="store_true", help="the bundled drafter's forward and head, by setup")
     parser.add_argument("--attention", action="store_true", help="few-row attention against SDPA")
+    parser.add_argument("--draft-linear", action="store_true",
+                        help="the drafter's linear layers and head by rows, cold: panels against oneDNN's bf16")
     parser.add_argument("--cold", action="store_true",
                         help="with --draft: evict the CPU's caches before each call, as in a decode step")
     parser.add_argument("--small-rows", action="store_true",
@@ -239,6 +273,8 @@ def main() -> None:
         return small_rows_compared(target, tokens)
     if args.norms:
         return norms_compared(target, tokens)
+    if args.draft_linear:
+        return draft_linear_compared(target, tokens)
     if args.draft:
         return draft_compared(target, [b for b in tokens if b >= 2], args.cold)
     if args.attention:

@@ -229,3 +229,29 @@ def test_auto_draft_dtype_without_the_few_row_kernel_is_native_bf16_or_the_targe
         monkeypatch.setattr("blockdraft.models.kernels.native_bf16_packing", lambda device: native)
         assert fast_draft_dtype(CPU, torch.float32) == expected
     assert draft_precision(CPU, torch.bfloat16) == (torch.bfloat16, None)  # oneDNN's (or emulated) bf16
+
+
+@needs_few_rows
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN computes no bf16 on this CPU")
+def test_a_drafters_calls_of_many_rows_run_onednn_bf16_where_the_cpu_has_it(monkeypatch):
+    """With bf16 instructions (forced here), a drafter's layer with int8 panels runs calls of more
+    than MANY_ROWS rows in oneDNN's bf16 arithmetic (the weights rounded to bf16) and fewer rows on
+    its panels; greedy output stays plain decoding's with a prompt long enough for both."""
+    from blockdraft.models.kernels import MANY_ROWS
+
+    monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: True)
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=6)
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(3 * MANY_ROWS)]
+    cfg = GenerationConfig(max_new_tokens=24, block_size=6, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate(prompt, cfg).token_ids
+    assert Engine(target, draft, draft_dtype=torch.int8).generate(prompt, cfg).token_ids == plain
+    assert draft.fc.forward.many is not None  # the prompt's context rows went through fc at once
+    assert draft.layers[0].mlp.up_proj.forward.many is None  # a block's rows only: the panels
+    layer = draft.layers[0].mlp.up_proj
+    with torch.inference_mode():
+        x = torch.randn(MANY_ROWS + 1, layer.in_features)
+        want = (x.bfloat16() @ layer.weight.bfloat16().T).float()
+        assert torch.allclose(layer(x), want, rtol=2e-2, atol=2e-2)
+        few = layer(x[:MANY_ROWS])  # the int8 panels
+        assert torch.allclose(few, x[:MANY_ROWS] @ layer.weight.T, rtol=5e-2, atol=5e-2)
