@@ -142,15 +142,15 @@ class _PackedForward:
         arithmetic, which outruns the few-row panels there; its numerics cannot change the output."""
         if self.many is None:
             self.many = torch.ops.mkldnn._reorder_linear_weight(self.linear.weight.detach().bfloat16(), PACK_HINT)
-        bias = self.linear.bias
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).bfloat16(), self.many,
-                                               None if bias is None else bias.detach().bfloat16(), "none", [], "")
-        return y.view(*x.shape[:-1], self.linear.weight.shape[0]).to(x.dtype)  # [..., N]
+        return self._onednn(x.bfloat16(), self.many).to(x.dtype)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return self._onednn(x, self.packed)
+
+    def _onednn(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [..., K] against a oneDNN-packed copy of the weight in x's dtype -> [..., N]."""
         bias = self.linear.bias
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed,
-                                               None if bias is None else bias.detach(), "none", [], "")
+        y = _onednn(x.reshape(-1, x.shape[-1]), packed, None if bias is None else bias.detach().to(x.dtype))
         return y.view(*x.shape[:-1], self.linear.weight.shape[0])  # [..., N]
 
 
@@ -204,8 +204,8 @@ def _default(x, w):
     return torch.nn.functional.linear(x, w)
 
 
-def _onednn(x, packed):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _onednn(x, packed, bias=None):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _measure_small_rows(weights: list, packs: list) -> int:
