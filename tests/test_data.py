@@ -79,3 +79,13 @@ def test_data_resumes_and_its_feature_cache_equals_the_trainers(tiny_chat_target
     for i in range(len(train)):
         torch.testing.assert_close(got.get(i), fresh.get(i), rtol=2e-3, atol=2e-3)
 
+
+
+def test_length_sorted_batches_keep_every_prompt_once_and_group_similar_lengths():
+    lengths = [7, 1, 9, 3, 3, 8, 2, 6, 5, 4, 10]
+    items = [(D.Prompt(id=f"p{i}", messages=[]), [0] * n) for i, n in enumerate(lengths)]
+    batches = list(D.length_sorted_batches(iter(items), batch_size=2, window=2))
+    assert [len(b) for b in batches] == [2, 2, 2, 2, 2, 1]
+    assert sorted(p.id for b in batches for p, _ in b) == sorted(p.id for p, _ in items)
+    # each window of 4 prompts is sorted by length before it is cut; the windows keep their order
+    assert [[len(ids) for _, ids in b] for b in batches] == [[1, 3], [7, 9], [2, 3], [6, 8], [4, 5], [10]]
