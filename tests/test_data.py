@@ -80,7 +80,6 @@ def test_data_resumes_and_its_feature_cache_equals_the_trainers(tiny_chat_target
         torch.testing.assert_close(got.get(i), fresh.get(i), rtol=2e-3, atol=2e-3)
 
 
-
 def test_length_sorted_batches_keep_every_prompt_once_and_group_similar_lengths():
     lengths = [7, 1, 9, 3, 3, 8, 2, 6, 5, 4, 10]
     items = [(D.Prompt(id=f"p{i}", messages=[]), [0] * n) for i, n in enumerate(lengths)]
