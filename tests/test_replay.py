@@ -77,6 +77,24 @@ def test_references_are_plain_greedy_and_cached(tmp_path):
     assert reference_continuations(target, PROMPTS, 31, path, progress=False)[0] != [1, 2, 3]
 
 
+def test_references_batch_prompts_of_similar_length_and_keep_their_order(monkeypatch):
+    """A batch is left-padded to its longest prompt, so the references are generated in batches
+    of prompts sorted by length; they come back in the prompts' order, each plain greedy."""
+    target = tiny_target("qwen3")
+    prompts = [list(range(3, 40)), [5, 17, 33, 2], [7] * 12, [9, 8, 7, 6, 5]]
+    groups, greedy_batch = [], target.greedy_batch
+
+    def spy(group, n):
+        groups.append([len(p) for p in group])
+        return greedy_batch(group, n)
+
+    monkeypatch.setattr(target, "greedy_batch", spy)
+    refs = reference_continuations(target, prompts, 20, None, batch_size=2, progress=False)
+    assert groups == [[4, 5], [12, 37]]
+    plain = Engine(target)
+    assert refs == [plain.generate(p, GenerationConfig(max_new_tokens=20)).token_ids for p in prompts]
+
+
 def test_cli_tau_refuses_bad_input(capsys):
     from blockdraft.cli import main
 

@@ -57,7 +57,8 @@ def reference_continuations(
 ) -> list[list[int]]:
     """The target's greedy continuation of each prompt (ending at EOS or max_new_tokens).
 
-    Generated in batches (`Target.greedy_batch`) for speed, then each one checked by a prefill:
+    Generated in batches (`Target.greedy_batch`) of prompts of similar length for speed (a batch is
+    left-padded to its longest prompt, and padding's prefill is wasted), then each one checked by a prefill:
     padding changes the float rounding, which can flip a near-tie; a continuation that fails the
     check is regenerated alone by plain decoding. Cached in `path` (resumable).
     """
@@ -67,6 +68,7 @@ def reference_continuations(
 
     cache = json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
     todo = [i for i, p in enumerate(prompts) if _key(p, max_new_tokens) not in cache]
+    todo.sort(key=lambda i: len(prompts[i]))
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="references", unit="prompt",
                disable=not progress)
     for lo in range(0, len(todo), batch_size):
