@@ -264,3 +264,46 @@ def test_a_continued_drafter_is_refused_for_studies_that_change_its_shape(tmp_pa
             A.run_studies(s, [study], "x")
     with pytest.raises(BlockdraftError, match="unknown studies"):
         A.run_studies(s, ["depth"], "x")
+
+
+def test_a_continued_drafter_gains_taps_and_predicts_as_before(tiny_run, tmp_path, monkeypatch):  # noqa: F811
+    """The more-taps study continues a drafter with more taps: its fc columns move to its taps'
+    places among the new ones and the new taps' columns start at zero, so the widened drafter
+    projects the context exactly as before; fewer or other taps are refused."""
+    from blockdraft.models.target import load_target
+    from blockdraft.training import ablate as A
+    from blockdraft.training.warmstart import init_from_drafter, tap_columns
+
+    assert tap_columns([1, 8, 14, 20, 27], [1, 4, 8, 11, 14, 17, 20, 24, 27]) == [0, 2, 4, 6, 8]
+    assert tap_columns([1, 2, 2], [2, 1, 2]) == [1, 0, 2]  # a repeated layer takes one place each
+    assert tap_columns([1, 3], [1, 2]) is None and tap_columns([2, 2], [2, 1]) is None
+    target = load_target(str(tiny_run / "target"))
+    torch.manual_seed(4)
+    src = DraftModel(build_draft_config(target.config, num_layers=3, block_size=16, num_taps=5,
+                                        mask_token_id=target.vocab_size - 1))
+    save_draft(src, tmp_path / "five", dtype=torch.float32)
+    src = load_draft(tmp_path / "five")
+    wide = DraftModel(build_draft_config(target.config, num_layers=3, block_size=16, num_taps=9,
+                                         mask_token_id=target.vocab_size - 1))
+    init_from_drafter(wide, str(tmp_path / "five"), None)
+    cols = tap_columns(src.cfg.target_layer_ids, wide.cfg.target_layer_ids)
+    h = target.hidden_size
+    x = torch.randn(3, len(wide.cfg.target_layer_ids) * h)  # [T, 9 * H]
+    x_old = torch.cat([x[:, i * h:(i + 1) * h] for i in cols], -1)  # [T, 5 * H]: the old taps' blocks
+    torch.testing.assert_close(wide.fc(x), src.fc(x_old))
+    assert all(torch.equal(v, src.state_dict()[k]) for k, v in wide.state_dict().items() if k != "fc.weight")
+    with pytest.raises(BlockdraftError, match="taps may only be added"):
+        init_from_drafter(_variant(target, "kv", 3), str(tmp_path / "five"), None)
+    # the study continues the drafter: the 9-tap run starts where the base run starts
+    s = _study(tiny_run, tmp_path, monkeypatch, init=str(tmp_path / "five"), lr=3e-4, anchors=8)
+    with pytest.raises(BlockdraftError, match="--init target"):
+        A.run_studies(s, ["taps"], "x")  # fewer taps than the drafter has
+    A.run_studies(s, ["more-taps"], "blockdraft ablate more-taps --init DIR")
+    runs = json.loads((tmp_path / "out" / "more-taps.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["start", "base", "taps-9"]
+    first = [json.loads(open(tmp_path / "runs" / n / "log.jsonl").readline()) for n in ("base", "taps-9")]
+    assert first[0]["step"] == first[1]["step"] == 0
+    assert first[0]["heldout_acc"] == pytest.approx(first[1]["heldout_acc"], abs=1e-3)
+    assert len(load_draft(tmp_path / "runs" / "taps-9" / "drafter").cfg.target_layer_ids) == 9
+    cfg = json.loads((tmp_path / "runs" / "taps-9" / "config.json").read_text())
+    assert (cfg["lr"], cfg["anchors"], cfg["num_taps"]) == (3e-4, 8, 9)

@@ -154,7 +154,7 @@ def cmd_accuracy(data: str, drafters: list[str], target: str, device: str | None
 
 def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, steps: int, prompts: int,
                max_new_tokens: int, init: str, batch_size: int, labels: str, features: str, target_dtype: str,
-               jobs: int, list_studies: bool) -> None:
+               jobs: int, list_studies: bool, lr: float = 1e-3, anchors: int = 16, gamma: float | None = None) -> None:
     """DFlash's ablations, one change at a time, scored by held-out acceptance (training/ablate.py)."""
     import shlex
     import sys
@@ -179,7 +179,8 @@ def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, 
         init = str(found)
     run_studies(StudySettings(data=data, runs=runs, out=out, target=target, steps=steps, prompts=prompts,
                               max_new_tokens=max_new_tokens, init=init, batch_size=batch_size, labels=labels,
-                              features=features, target_dtype=target_dtype, jobs=jobs), chosen, command)
+                              features=features, target_dtype=target_dtype, jobs=jobs, lr=lr, anchors=anchors,
+                              gamma=gamma), chosen, command)
 
 
 def cmd_plot_training(logs: list[str], out: str, start: list[float] | None, bench: list[str]) -> None:
@@ -302,8 +303,8 @@ def add_parsers(sub) -> None:
 
     ab = sub.add_parser("ablate", help="DFlash's ablations by short training runs, scored by held-out acceptance "
                         "(resumable)")
-    ab.add_argument("studies", nargs="*", help="layers, taps, injection, context, block, decay, anchors, soft-labels, noise, "
-                    "or all (none: list them)")
+    ab.add_argument("studies", nargs="*", help="layers, taps, more-taps, injection, context, block, decay, anchors, "
+                    "soft-labels, noise, or all (none: list them)")
     ab.add_argument("--data", default=None, help="a `blockdraft data` directory with the target's labels")
     ab.add_argument("--runs", default="runs/ablate", help="where the runs are trained (shared between studies)")
     ab.add_argument("--out", default="docs/ablations", help="where each study's table, JSON and plot go")
@@ -323,5 +324,9 @@ def add_parsers(sub) -> None:
     ab.add_argument("--max-new-tokens", type=int, default=256)
     ab.add_argument("--init", default="target", help="target (from the target's layers), bundled, or a drafter "
                     "directory to continue (the studies that keep the architecture)")
+    ab.add_argument("--lr", type=float, default=1e-3, help="every run's peak learning rate (a continued drafter: "
+                    "lower, e.g. 3e-4)")
+    ab.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (the block-8 run: twice this)")
+    ab.add_argument("--gamma", type=float, default=None, help="the loss decay (default: the trainer's for the block)")
     ab.add_argument("--list", dest="list_studies", action="store_true", help="list the studies and their runs")
     ab.set_defaults(run=cmd_ablate)

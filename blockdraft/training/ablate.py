@@ -57,12 +57,15 @@ STUDIES: dict[str, tuple[list[Run], tuple[int, ...]]] = {  # runs, inference blo
                            {"anchor_mode": "split"})], (16,)),
     "soft-labels": ([BASE, Run("soft-top8", "loss against the target's top-8 distribution, not its argmax",
                                {"soft_labels": 8})], (16,)),
+    "more-taps": ([BASE, Run("taps-9", "9 target taps: the base's 5 and one between each two (continuing: the new "
+                             "taps' fc columns start at zero)", {"num_taps": 9})], (16,)),
     "noise": ([BASE, Run("base-seed-1", "the base, seed 1", {"seed": 1}),
                Run("base-seed-2", "the base, seed 2", {"seed": 2})], (16,)),
 }
 
 
-ARCHITECTURE = {"num_layers", "num_taps", "conditioning"}  # what a continued drafter cannot change
+ARCHITECTURE = {"num_layers", "num_taps", "conditioning"}  # what a continued drafter cannot change (it
+#                                                           may gain taps: warmstart.tap_columns)
 
 
 @dataclass
@@ -82,17 +85,23 @@ class StudySettings:
     features: str = "cache"  # the target's taps: "cache" (fp16 on disk) or "online" (a forward a step)
     target_dtype: str = "auto"  # "float32" keeps a CUDA target exact (auto: bf16 there)
     jobs: int = 1  # runs trained and scored side by side in worker processes (a GPU idles otherwise)
+    lr: float = 1e-3  # every run's peak learning rate (lower when continuing a long-trained drafter)
+    anchors: int = 16  # anchor blocks per sequence (the block study's block-8 run: twice this)
+    gamma: float | None = None  # the loss decay (None: the trainer's default for the block)
 
 
 def base_config(s: StudySettings, run: Run):
     from .train import TrainConfig
 
     cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
-                      block_size=16, anchors=16, batch_size=s.batch_size, lr=1e-3, head_vocab=8192,
-                      labels=s.labels, features=s.features, target_dtype=s.target_dtype, init=s.init,
-                      max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 2),
+                      block_size=16, anchors=s.anchors, batch_size=s.batch_size, lr=s.lr, gamma=s.gamma,
+                      head_vocab=8192, labels=s.labels, features=s.features, target_dtype=s.target_dtype,
+                      init=s.init, max_steps=s.steps, save_every=50, log_every=10, eval_every=max(1, s.steps // 2),
                       eval_prompts=0, eval_sequences=24, seed=0)
-    return replace(cfg, **run.overrides)
+    overrides = dict(run.overrides)
+    if "anchors" in overrides:  # the block-8 run: twice the base's anchors, equal block tokens
+        overrides["anchors"] = overrides["anchors"] * s.anchors // 16
+    return replace(cfg, **overrides)
 
 
 def _log(path: Path) -> list[dict]:
@@ -312,6 +321,20 @@ def train_and_score_side_by_side(s: StudySettings, studies: list[str], prompts: 
             raise
 
 
+def _adds_taps(init: str, num_taps: int) -> bool:
+    """Whether a drafter continued from `init` can take `num_taps` taps: its own taps among them."""
+    from ..models.checkpoint import config_from_json
+    from ..models.draft_config import default_target_layer_ids
+    from .warmstart import tap_columns
+
+    path = Path(init) / "config.json"
+    if not path.exists():
+        return False
+    cfg = config_from_json(json.loads(path.read_text()), str(path))
+    wanted = default_target_layer_ids(cfg.num_target_layers, num_taps)
+    return len(wanted) > len(cfg.target_layer_ids) and tap_columns(cfg.target_layer_ids, wanted) is not None
+
+
 def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path]:
     """Train, score and write each study in turn; returns the Markdown files written."""
     from ..models.target import load_target
@@ -324,7 +347,8 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
     if s.target_dtype not in ("auto", "float32", "bfloat16"):
         raise BlockdraftError(f"--target-dtype must be auto, float32 or bfloat16 (got {s.target_dtype!r})")
     if s.init != "target":
-        shaped = sorted({x for st in studies for r in STUDIES[st][0] for x in r.overrides} & ARCHITECTURE)
+        shaped = sorted({x for st in studies for r in STUDIES[st][0] for x in r.overrides
+                         if not (x == "num_taps" and _adds_taps(s.init, r.overrides[x]))} & ARCHITECTURE)
         if shaped:
             raise BlockdraftError(f"--init {s.init}: a drafter to continue fixes {', '.join(shaped)}; "
                                   "run those studies from the target's layers (--init target)")
