@@ -46,6 +46,15 @@ def _config(family: str):
         return tf.DeepseekV3Config(**c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
                                    qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)
+    if family == "deepseek-v2":  # MLA attention (V's head dim differs from K's), MoE
+        c["num_key_value_heads"] = 4
+        return tf.DeepseekV2Config(**c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)
+    if family == "minicpm3":  # MLA attention, dense
+        c["num_key_value_heads"] = 4
+        return tf.MiniCPM3Config(**c, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                 v_head_dim=16)
     if family == "glm4-moe":
         return tf.Glm4MoeConfig(**c, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -100,7 +109,7 @@ def _config(family: str):
 # state or slide a window (the ones the sampled-distribution test also covers).
 SUPPORTED = ["llama", "llama3-rope", "qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2",
              "gpt-oss", "mistral-sliding", "gemma3", "deepseek-v3", "glm4-moe", "phi3", "olmo2", "falcon-h1",
-             "granite-hybrid", "nemotron-h", "glm4-moe-lite", "gemma4", "minimax-m2"]
+             "granite-hybrid", "nemotron-h", "glm4-moe-lite", "gemma4", "minimax-m2", "deepseek-v2", "minicpm3"]
 STATEFUL = ["qwen3.5", "qwen3.5-moe", "qwen3-next", "lfm2", "falcon-h1", "granite-hybrid", "nemotron-h"]
 SLIDING = ["gpt-oss", "mistral-sliding", "gemma3", "gemma4"]
 REFUSED = ["mamba"]  # refused when wrapped (no past_key_values)

@@ -5,7 +5,7 @@ plain decoding, and sampling keeps the target's distribution (total-variation te
 import pytest
 import torch
 
-from blockdraft.decoding.engine import Engine, GenerationConfig
+from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.oracle import OracleDraft
 from blockdraft.decoding.tree import (LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate,
@@ -14,7 +14,7 @@ from blockdraft.decoding.tree import (LOOKUP, Tree, TreeRates, build_tree, draft
 from conftest import tiny_draft, tiny_target
 from test_adaptive import SimulatedClock
 from test_sampling import total_variation
-from families import tiny_family
+from families import SLIDING, STATEFUL, SUPPORTED, tiny_family
 
 PROMPTS = [[5, 17, 33, 2], list(range(3, 40))]
 
@@ -347,3 +347,28 @@ def test_the_commands_tree_default_is_trees_for_greedy_adaptive_decoding_and_cha
     for bad in (-1, 257):
         with pytest.raises(BlockdraftError, match="--tree"):
             tree_budget(bad, None, 0.0, engine())
+
+
+@pytest.mark.parametrize("family", [f for f in SUPPORTED if f not in STATEFUL + SLIDING])
+def test_trees_are_exact_on_every_family_that_verifies_them(family):
+    """Every plain-attention family verifies trees (the default for greedy decoding) and gets plain
+    decoding's tokens, alone and in a batch. MLA's values have a head dim of their own, which the
+    slot compaction once gathered with the keys' (a crash mid-decoding, issue 49)."""
+    target = tiny_family(family)
+    assert target.supports_trees
+    prompts = [list(range(3, 30)), [5, 17, 33, 2, 8, 5, 17, 33, 2, 8, 5, 17]]
+    expected = [greedy(Engine(target), p, n=30, block=1).token_ids for p in prompts]
+    oracle = OracleDraft(tiny_draft(target, block_size=8), expected[0], len(prompts[0]), 0.6, seed=3)
+    got = greedy(Engine(target, oracle), prompts[0], n=30, budget=16)
+    assert got.token_ids == expected[0] and max(got.stats.acceptance_lengths) > 1
+    cfg = GenerationConfig(max_new_tokens=30, block_size=8, stop_token_ids=(), lookup=True, tree_budget=16)
+    batch = Engine(target, tiny_draft(target, block_size=8)).batch()
+    seqs, tokens = [], {}
+    for p in prompts:
+        seq, first = batch.join(p, cfg, GenerationStats())
+        seqs.append(seq)
+        tokens[id(seq)] = list(first.tokens)
+    while batch.sequences:  # rejected slots become holes, and compaction moves K and V apart
+        for seq, st in batch.step():
+            tokens[id(seq)] += st.tokens
+    assert [tokens[id(s)] for s in seqs] == expected

@@ -194,13 +194,18 @@ class SlotCache:
             tail = (~self.valid[:, first:]).to(torch.int8)
             order = first + torch.sort(tail, dim=1, stable=True).indices[:, : s - first]  # [B, s - first]: valid first
             for layer in self.kv.layers:
-                k = layer.keys  # [B, H, S, D]
-                idx = order.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-                moved_k, moved_v = k.gather(2, idx), layer.values.gather(2, idx)  # copies: safe to write back
-                k[:, :, first:s], layer.values[:, :, first:s] = moved_k, moved_v
+                k, v = layer.keys, layer.values  # [B, H, S, Dk], [B, H, S, Dv]: MLA's Dv differs from its Dk
+                moved_k, moved_v = _gather_slots(k, order), _gather_slots(v, order)  # copies: safe to write back
+                k[:, :, first:s], v[:, :, first:s] = moved_k, moved_v
         for layer in self.kv.layers:
             layer.keys, layer.values = layer.keys[:, :, :s], layer.values[:, :, :s]
         self.valid = torch.arange(s)[None] < torch.tensor(self.lengths)[:, None]
+
+
+def _gather_slots(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The slots `order` [B, S'] of each row of K or V [B, H, S, D], as a new tensor [B, H, S', D]."""
+    idx = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, H, S', D]
+    return t.gather(2, idx)
 
 
 def _append_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
