@@ -107,7 +107,10 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     gen = None
     if not params.greedy:
         gen = torch.Generator(device=target.device)
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:  # a fresh seed for this generator alone (torch.seed() would reseed the global generator)
+            gen.seed()
     proposers = Proposers.for_request(config, draft is not None, draft.block_size if draft else 1, policies)
     taps = draft.cfg.target_layer_ids if draft is not None and proposers.block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))

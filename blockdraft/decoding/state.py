@@ -141,8 +141,9 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
     if not isinstance(config.max_new_tokens, int) or not 1 <= config.max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"max_new_tokens must be an integer in [1, 1000000] (got {config.max_new_tokens})")
     if len(prompt_ids) >= target.max_context:
+        why = f" ({target.name!r}: {target.rope_limit.reason()})" if getattr(target, "rope_limit", None) else ""
         raise BlockdraftError(
-            f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}"
+            f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}{why}"
         )
     if config.block_size is not None and not 1 <= config.block_size <= 256:
         raise BlockdraftError(f"block_size must be in [1, 256] (got {config.block_size})")

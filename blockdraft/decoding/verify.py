@@ -18,6 +18,9 @@ import torch
 from ..errors import BlockdraftError
 
 
+MIN_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -27,7 +30,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below MIN_TEMPERATURE, logits / T overflow fp32 (1e-40 gave inf, then NaN probabilities);
+        # the distribution there is the argmax's anyway, so such a temperature decodes greedily (as vLLM's)
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> "SamplingParams":
         t, k, p = self.temperature, self.top_k, self.top_p

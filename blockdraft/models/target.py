@@ -26,10 +26,13 @@ import torch
 
 from .cache import TargetCache, check_rollback, crop, keep_positions, probe_rollback, restore, snapshot, tree_capable
 from ..errors import BlockdraftError
-from .kernels import prepack, share_kv_heads
+from .kernels import SHARED_KV_ATTENTION, prepack, share_kv_heads
+from .rope import call_dependent_limit
 from .norms import fuse_norms
 
 MAX_PENDING = 16  # hybrid targets: more pending tokens than this run in a forward of their own
+MASK_APPLIED = {"sdpa", SHARED_KV_ATTENTION}  # attention implementations that apply a boolean mask
+MASK_ADDED = {"eager"}  # ... and those that add the mask to the scores
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's vocabulary has no unused row, so the draft's mask token reuses a special token that
@@ -110,18 +113,26 @@ class Target:
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        # dynamic / longrope RoPE: only within this limit does a call's RoPE not depend on its other rows
+        self.rope_limit = call_dependent_limit(cfg)
+        if self.rope_limit is not None and self.rope_limit.tokens < self.max_context:
+            self.max_context = self.rope_limit.tokens
         self._head_splits: bool | None = None
         # what each cache layer holds ("attention", "sliding", "state", ...); refuses what cannot roll back
         kv = self.new_kv_cache()
         self.cache_kinds = check_rollback(model, kv)
         self.max_pending = MAX_PENDING  # accepted tokens a hybrid target defers to its next forward
         self._has_state = any(k.startswith("state") for k in self.cache_kinds)
-        self._tree_capable = tree_capable(kv)
         self._exact = False  # whether `check_exact` passed
         if packed:  # prepacked linear layers and fused norms on the CPU, K/V heads shared in masked attention
             prepack(self.model)  # (kernels.py, norms.py)
             fuse_norms(self.model)
             share_kv_heads(self.model)
+        # Trees and slot batches pass a boolean 4D mask: SDPA applies it, eager attention adds it to
+        # the scores (so it gets 0 / -inf instead, `_mask`), any other implementation may do
+        # either or ignore it: those targets verify chains, one sequence at a time.
+        self.attention = str(getattr(cfg, "_attn_implementation", None))
+        self._tree_capable = tree_capable(kv) and self.attention in MASK_APPLIED | MASK_ADDED
 
     @property
     def device(self) -> torch.device:
@@ -249,6 +260,14 @@ class Target:
                     torch.allclose(split, full, rtol=1e-5, atol=1e-5))
         return self._head_splits
 
+    def _mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A boolean 4D mask [B, 1, T, S] (True: attend) as this model's attention takes it: as it
+        is for SDPA; for eager attention, which adds the mask to the scores, 0 where True and the
+        dtype's minimum elsewhere (what transformers' own eager masks hold)."""
+        if mask is None or self.attention not in MASK_ADDED or mask.dtype != torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -282,10 +301,10 @@ class Target:
         if tree is not None:
             seen = torch.ones(len(tree), start, dtype=torch.bool)
             mask = torch.cat([seen, tree.attention_mask()], dim=1).to(ids.device)  # [N, start + N]
-            args.update(attention_mask=mask[None, None],
+            args.update(attention_mask=self._mask(mask[None, None]),
                         position_ids=start + torch.tensor([tree.depths], device=ids.device))
         if slot_positions is not None:
-            args.update(position_ids=slot_positions, attention_mask=slot_mask)
+            args.update(position_ids=slot_positions, attention_mask=self._mask(slot_mask))
         if self.head_splits:
             out = self.model.base_model(**args)
             hidden, logits = out.last_hidden_state[:, out.last_hidden_state.shape[1] - keep:], None
