@@ -48,7 +48,7 @@ NAME = "blockdraft_few_rows"
 NR = 16  # output features per panel (csrc/few_rows.cpp)
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
 SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
 
 _ext = None
 _tried = False
@@ -102,7 +102,7 @@ def _cpu_has_avx2_fma() -> bool:
     flags = cpu_flags()
     if flags is None:
         return True  # no /proc (not Linux): the extension checks the instructions itself
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags  # f16c: GGUF blocks' fp16 scales
 
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:

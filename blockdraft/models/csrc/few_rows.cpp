@@ -29,7 +29,7 @@ constexpr int64_t NR = 16;  // output features per panel: two AVX2 vectors
 #define BD_DECL(i, v) __m256 a##i##v = _mm256_setzero_ps();
 #define BD_FMA(i, v) if constexpr (MR > i && NV > v) a##i##v = _mm256_fmadd_ps(xi, w##v, a##i##v);
 #define BD_STORE(i, v) if constexpr (MR > i && NV > v) store(y + i * ldy, n0 + 8 * v, N, scaled(a##i##v, scale, n0 + 8 * v));
-#define BD_LOAD(v) const __m256 w##v = NV > v ? load8(panels + (v / 2) * stride + k * NR + 8 * (v % 2)) : zero;
+#define BD_LOAD(v) const __m256 w##v = NV > v ? panels(v / 2, k, v % 2) : zero;
 // row i: its x[i, k] broadcast just before its FMAs (all six broadcast first would need 20 registers)
 #define BD_STEP(i) if constexpr (MR > i) { const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k); BD_ROW(i, BD_FMA) }
 
@@ -61,52 +61,106 @@ inline void store(float* row, int64_t n, int64_t N, __m256 v) {
     }
 }
 
-template <int MR, int NP, bool PREFETCH, typename T>
-inline void tile(const float* x, int64_t ldx, const T* panels, int64_t K, float* y, int64_t ldy,
+// A weight's panels as the tiles read them: `r(p, k, h)` is eight fp32 weights, panel p (counted
+// from the reader's first), input k, outputs 8h .. 8h+7; `r.line(p, k)` the memory behind them (to
+// prefetch); `r.from(p)` the reader whose first panel is p.
+template <typename T>
+struct Panels {  // fp32, bf16 or int8 panels [P][K][16], widened exactly by load8
+    const T* data;
+    int64_t stride;  // elements per panel: K * 16
+    inline __m256 operator()(int p, int64_t k, int h) const { return load8(data + p * stride + k * NR + 8 * h); }
+    inline const char* line(int p, int64_t k) const { return reinterpret_cast<const char*>(data + p * stride + k * NR); }
+    inline Panels from(int64_t p) const { return {data + p * stride, stride}; }
+};
+
+// GGUF's blocks of 32 weights along k, kept as the file stores them and dequantized here in
+// registers, exactly as the `gguf` package dequantizes them (so a layer computes with the very
+// fp32 weights a dequantized copy holds): Q4_0 d * (q - 8), Q4_1 (d * q) + m, Q8_0 d * q, with d
+// and m fp16 per (block, output), widened exactly. Each product of an fp16 by a 4- or 8-bit
+// integer is exact in fp32, so the one rounding (Q4_1's add) is the same fused or not.
+// Codes [P][K][8] bytes (4-bit: output j's code in the low nibble of byte j, output j + 8's in
+// the high one) or [P][K][16] int8; d, m [P][K / 32][16] fp16.
+enum BlockKind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+template <int KIND>
+struct Blocks {
+    static constexpr int64_t CODE_BYTES = KIND == Q8_0 ? NR : NR / 2;  // per panel and k
+    const uint8_t* codes;
+    const uint16_t* d;
+    const uint16_t* m;
+    int64_t code_stride, scale_stride;  // bytes / halves per panel: K * CODE_BYTES, K / 32 * 16
+    inline __m256 half8(const uint16_t* h) const {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    }
+    inline __m256 operator()(int p, int64_t k, int h) const {
+        const int64_t s = p * scale_stride + (k >> 5) * NR + 8 * h;
+        const uint8_t* c = codes + p * code_stride + k * CODE_BYTES;
+        if constexpr (KIND == Q8_0) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * h)));
+            return _mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(q));
+        } else {
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+            q = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
+            if constexpr (KIND == Q4_0)
+                return _mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+            else
+                return _mm256_add_ps(_mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(q)), half8(m + s));
+        }
+    }
+    inline const char* line(int p, int64_t k) const {
+        return reinterpret_cast<const char*>(codes + p * code_stride + k * CODE_BYTES);
+    }
+    inline Blocks from(int64_t p) const {
+        return {codes + p * code_stride, d + p * scale_stride, m == nullptr ? nullptr : m + p * scale_stride,
+                code_stride, scale_stride};
+    }
+};
+
+template <int MR, int NP, bool PREFETCH, typename R>
+inline void tile(const float* x, int64_t ldx, const R& panels, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* scale) {
     constexpr int NV = 2 * NP;
     static_assert(MR <= 6 && NV <= 8 && MR * NV <= 12, "accumulators must fit the registers");
     const __m256 zero = _mm256_setzero_ps();
     BD_ROWS(BD_DECL)
-    const int64_t stride = K * NR;  // floats per panel
     for (int64_t k = 0; k < K; ++k) {
         // the next panels' row k (one cache line), read from memory while these rows compute
         if constexpr (PREFETCH && NP == 1)  // (at one to three rows it measured slower: memory-bound anyway)
-            for (int p = NP; p < 2 * NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(panels + p * stride + k * NR), _MM_HINT_T0);
+            for (int p = NP; p < 2 * NP; ++p) _mm_prefetch(panels.line(p, k), _MM_HINT_T0);
         BD_LOAD(0) BD_LOAD(1) BD_LOAD(2) BD_LOAD(3) BD_LOAD(4) BD_LOAD(5) BD_LOAD(6) BD_LOAD(7)
         BD_STEP(0) BD_STEP(1) BD_STEP(2) BD_STEP(3) BD_STEP(4) BD_STEP(5)
     }
     BD_ROWS(BD_STORE)
 }
 
-template <int MR, int NP, typename T>
-inline void rest(const float* x, int64_t K, const T* panels, float* y, int64_t N, int64_t n0, bool first,
+template <int MR, int NP, typename R>
+inline void rest(const float* x, int64_t K, const R& panels, float* y, int64_t N, int64_t n0, bool first,
                  const float* scale) {
     if constexpr (MR * NP <= 6) {
-        if (first) tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N, scale);
-        else tile<MR, NP, false, T>(x, K, panels, K, y, N, n0, N, scale);
+        if (first) tile<MR, NP, true, R>(x, K, panels, K, y, N, n0, N, scale);
+        else tile<MR, NP, false, R>(x, K, panels, K, y, N, n0, N, scale);
     }
 }
 
 // All rows of x against NP panels starting at panel p0, in tiles of 6 / NP rows.
-template <int NP, typename T>
-void rows_x_panels(const float* x, int64_t M, int64_t K, const T* packed, int64_t p0, float* y, int64_t N,
+template <int NP, typename R>
+void rows_x_panels(const float* x, int64_t M, int64_t K, const R& packed, int64_t p0, float* y, int64_t N,
                    const float* scale) {
     constexpr int MR = 6 / NP;
-    const T* panels = packed + p0 * K * NR;
+    const R panels = packed.from(p0);
     const int64_t n0 = p0 * NR;
     int64_t m = 0;
     if (M >= MR) {  // the first tile prefetches the next panels; the rest read these from the cache
-        tile<MR, NP, true, T>(x, K, panels, K, y, N, n0, N, scale);
+        tile<MR, NP, true, R>(x, K, panels, K, y, N, n0, N, scale);
         m = MR;
     }
-    for (; m + MR <= M; m += MR) tile<MR, NP, false, T>(x + m * K, K, panels, K, y + m * N, N, n0, N, scale);
+    for (; m + MR <= M; m += MR) tile<MR, NP, false, R>(x + m * K, K, panels, K, y + m * N, N, n0, N, scale);
     switch (M - m) {
-        case 5: rest<5, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
-        case 4: rest<4, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
-        case 3: rest<3, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
-        case 2: rest<2, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
-        case 1: rest<1, NP, T>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 5: rest<5, NP, R>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 4: rest<4, NP, R>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 3: rest<3, NP, R>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 2: rest<2, NP, R>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
+        case 1: rest<1, NP, R>(x + m * K, K, panels, y + m * N, N, n0, m == 0, scale); break;
         default: break;
     }
 }
@@ -127,8 +181,8 @@ torch::Tensor pack(torch::Tensor w) {
     return padded.view({P, NR, K}).transpose(1, 2).contiguous();
 }
 
-template <typename T>
-void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* yp, int64_t N,
+template <typename R>
+void run(const float* xp, int64_t M, int64_t K, const R& wp, int64_t P, float* yp, int64_t N,
          const float* scale = nullptr) {
     // Panels per unit of work: at few rows, several panels at once keep enough independent
     // accumulator chains in flight (an FMA's latency is four of its issue slots).
@@ -139,11 +193,11 @@ void run(const float* xp, int64_t M, int64_t K, const T* wp, int64_t P, float* y
             int64_t p = u * np;
             const int64_t stop = std::min(P, p + np);
             if (stop - p == np) {
-                if (np == 4) { rows_x_panels<4, T>(xp, M, K, wp, p, yp, N, scale); continue; }
-                if (np == 3) { rows_x_panels<3, T>(xp, M, K, wp, p, yp, N, scale); continue; }
-                if (np == 2) { rows_x_panels<2, T>(xp, M, K, wp, p, yp, N, scale); continue; }
+                if (np == 4) { rows_x_panels<4, R>(xp, M, K, wp, p, yp, N, scale); continue; }
+                if (np == 3) { rows_x_panels<3, R>(xp, M, K, wp, p, yp, N, scale); continue; }
+                if (np == 2) { rows_x_panels<2, R>(xp, M, K, wp, p, yp, N, scale); continue; }
             }
-            for (; p < stop; ++p) rows_x_panels<1, T>(xp, M, K, wp, p, yp, N, scale);
+            for (; p < stop; ++p) rows_x_panels<1, R>(xp, M, K, wp, p, yp, N, scale);
         }
     });
 }
@@ -161,12 +215,42 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
     if (packed.scalar_type() == torch::kChar) {
         TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * NR,
                     "linear: int8 panels need their rows' scales [P * 16] float32");
-        run(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), P, y.data_ptr<float>(), N, scales.data_ptr<float>());
+        run(x.data_ptr<float>(), M, K, Panels<int8_t>{packed.data_ptr<int8_t>(), K * NR}, P, y.data_ptr<float>(), N,
+            scales.data_ptr<float>());
     } else if (packed.scalar_type() == torch::kBFloat16)
-        run(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P,
+        run(x.data_ptr<float>(), M, K,
+            Panels<uint16_t>{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K * NR}, P,
             y.data_ptr<float>(), N);
     else
-        run(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, y.data_ptr<float>(), N);
+        run(x.data_ptr<float>(), M, K, Panels<float>{packed.data_ptr<float>(), K * NR}, P, y.data_ptr<float>(), N);
+    return y;
+}
+
+// x [M, K] fp32 against a GGUF weight's blocks in panels (`Blocks`): codes [P, K, 8] uint8 (4-bit
+// kinds) or [P, K, 16] int8 (Q8_0), d and m [P, K / 32, 16] fp16 (m: Q4_1's, else empty) -> y [M, N]
+// fp32, each output summed as `linear` sums it: bitwise what `linear` gives on the dequantized weight.
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N,
+                           int64_t kind) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_linear: 2-D float32 rows");
+    TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "block_linear: kind is Q4_0, Q4_1 or Q8_0");
+    const int64_t K = x.size(1), P = codes.size(0), bytes = kind == Q8_0 ? NR : NR / 2;
+    TORCH_CHECK(codes.dim() == 3 && codes.size(1) == K && codes.size(2) == bytes && codes.is_contiguous() &&
+                codes.element_size() == 1 && K % 32 == 0, "block_linear: codes packed for this input width");
+    TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == P * (K / 32) * NR,
+                "block_linear: d [P, K / 32, 16] float16");
+    TORCH_CHECK(kind != Q4_1 || (m.scalar_type() == torch::kHalf && m.is_contiguous() && m.sizes() == d.sizes()),
+                "block_linear: Q4_1 needs m shaped as d");
+    TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
+    x = x.contiguous();
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, x.options());
+    const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+    const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    const auto* mp = kind == Q4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()) : nullptr;
+    const int64_t cs = K * bytes, ss = K / 32 * NR;
+    if (kind == Q4_0) run(x.data_ptr<float>(), M, K, Blocks<Q4_0>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
+    else if (kind == Q4_1) run(x.data_ptr<float>(), M, K, Blocks<Q4_1>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
+    else run(x.data_ptr<float>(), M, K, Blocks<Q8_0>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
     return y;
 }
 
@@ -417,4 +501,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("supported", &supported);
     m.def("pack", &pack);
     m.def("linear", &linear);
+    m.def("block_linear", &block_linear);
 }

@@ -1,0 +1,54 @@
+"""GGUF's quantized blocks in the few-row kernel (models/gguf_blocks.py): every kind dequantizes
+to exactly the `gguf` package's fp32 weights, a layer's output is bitwise the fp32 kernel's on
+those weights, and a row's output is the same at every row count (issue 50)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from blockdraft.models import few_rows
+from blockdraft.models.gguf_blocks import KINDS, block_linear, pack_blocks
+
+pytestmark = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel does not run here")
+
+
+def _quantized(kind: str, n: int, k: int, seed: int = 0):
+    """A random weight quantized by the `gguf` package: (raw blocks, gguf's dequantized fp32)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+    w[0] = 0.0  # a block of zeros: d = 0
+    qtype = GGMLQuantizationType[kind]
+    raw = quants.quantize(w, qtype)
+    return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32).reshape(n, k))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("n, k", [(48, 64), (37, 96), (200, 576)])
+def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantization(kind, n, k):
+    raw, weight = _quantized(kind, n, k)
+    panels = pack_blocks(raw, kind, n, k)
+    dense = few_rows.pack(weight)
+    x = torch.randn(64, k)
+    got = block_linear(x, panels)
+    assert torch.equal(got, few_rows.linear(x, dense, n))
+    # the identity reads back every dequantized weight: each output is then one weight
+    eye = torch.eye(k)
+    assert torch.equal(block_linear(eye, panels).T, weight)
+    for rows in (1, 2, 3, 5, 7, 16, 17, 33):  # a row's result does not depend on the rows beside it
+        assert torch.equal(block_linear(x[:rows], panels), got[:rows])
+    assert torch.equal(block_linear(x[40:41], panels), got[40:41])
+
+
+def test_a_weight_streams_at_most_a_third_of_its_fp32_bytes():
+    for kind, limit in (("Q4_0", 0.16), ("Q4_1", 0.16), ("Q8_0", 0.27)):
+        raw, _ = _quantized(kind, 256, 576)
+        assert pack_blocks(raw, kind, 256, 576).nbytes <= limit * 256 * 576 * 4, kind
+
+
+def test_bad_shapes_and_kinds_are_refused():
+    raw, _ = _quantized("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="block kind"):
+        pack_blocks(raw, "Q5_K", 16, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_blocks(raw, "Q4_1", 16, 60)
