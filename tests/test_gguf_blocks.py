@@ -52,3 +52,36 @@ def test_bad_shapes_and_kinds_are_refused():
         pack_blocks(raw, "Q5_K", 16, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_blocks(raw, "Q4_1", 16, 60)
+
+
+@pytest.mark.slow
+def test_smollm2_in_its_gguf_blocks_decodes_exactly_as_its_fp32_weights(monkeypatch):
+    """The bundled target with its 211 linear layers in GGUF blocks (210 Q4_1, the tied head Q8_0):
+    the same greedy tokens as the fp32 target, plain and speculative (trees, lookup), and as
+    transformers' `generate` on the block model, and the same logits bit for bit."""
+    from blockdraft.cli import bundled_drafter
+    from blockdraft.decoding.engine import Engine, GenerationConfig
+    from blockdraft.models.checkpoint import load_draft
+    from blockdraft.models.gguf_target import BlockLinear
+    from blockdraft.models.target import load_target
+
+    torch.set_num_threads(2)
+    dense = load_target("smollm2-135m", device="cpu")
+    monkeypatch.setenv("BLOCKDRAFT_GGUF_BLOCKS", "1")
+    blocks = load_target("smollm2-135m", device="cpu")
+    assert sum(isinstance(m, BlockLinear) for m in blocks.model.modules()) == 211
+    ids = blocks.encode_prompt("Write a Python function that reverses a string.", chat=True)
+    with torch.inference_mode():
+        for rows in (ids, ids[:7]):
+            x = torch.tensor([rows])
+            assert torch.equal(blocks.model(x).logits, dense.model(x).logits)
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = Engine(dense).generate(ids, cfg).token_ids
+    assert Engine(blocks).generate(ids, cfg).token_ids == plain
+    draft = load_draft(bundled_drafter("smollm2-135m"))
+    tree = GenerationConfig(max_new_tokens=40, tree_budget=16, lookup=True)
+    assert Engine(blocks, draft).generate(ids, tree).token_ids == plain
+    with torch.inference_mode():
+        hf = blocks.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=[2],
+                                   pad_token_id=2)[0, len(ids):].tolist()
+    assert hf[: len(plain)] == plain

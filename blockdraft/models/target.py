@@ -427,7 +427,20 @@ def load_target(
     except (OSError, ValueError) as err:
         raise BlockdraftError(f"cannot load target model from {str(path)!r}: {err}") from err
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    if name_or_path == SMOLLM2_ALIAS and gguf_blocks_wanted(device, dtype):
+        from .gguf_target import keep_blocks
+
+        keep_blocks(model, smollm2_gguf_dir() / SMOLLM2_GGUF)
     return Target(model, tokenizer, name=name_or_path)
+
+
+def gguf_blocks_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF target keeps its linear layers in their blocks (gguf_target.py): opt-in with
+    BLOCKDRAFT_GGUF_BLOCKS=1 until the block kernel is measured faster than the fp32 one (issue 50),
+    on the CPU in fp32 where the few-row kernel runs."""
+    from . import few_rows
+
+    return os.environ.get("BLOCKDRAFT_GGUF_BLOCKS", "0") == "1" and few_rows.runs_on(device, dtype)
 
 
 def default_mask_token_id(target: Target) -> int:

@@ -1,0 +1,144 @@
+"""A target's linear layers kept in their GGUF blocks (issue 50).
+
+transformers loads a GGUF by dequantizing every tensor to fp32 (`gguf.dequantize`), then un-permutes
+the rows of Q and K that llama.cpp's converter permuted. `keep_blocks` swaps each linear layer whose
+GGUF tensor is of a kind the few-row kernel computes (gguf_blocks.py) for a `BlockLinear` over the
+file's own blocks, rows put in transformers' order, and frees the fp32 weight. The block kernel
+dequantizes in registers to those very fp32 weights and sums as the fp32 kernel sums, so every
+output is bitwise what the dequantized layer gave: greedy output is unchanged, at a fifth to a third
+of the bytes a step streams. Each swap is checked against the loaded weight (a few rows, bitwise)
+before the weight is dropped, so a wrong name or row order is refused, never computed with.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import few_rows
+from .gguf_blocks import BlockPanels, block_linear, kind_name, pack_blocks
+from .kernels import _packed_enabled
+
+CHECK_ROWS = 4  # rows of each weight compared bitwise with the loaded fp32 before it is dropped
+
+
+class BlockLinear(nn.Module):
+    """A linear layer computed from GGUF blocks (fp32 in, fp32 out). Calls of more rows than the
+    few-row kernel's limit run it in chunks (same sums, so a prompt's rows equal decode rows);
+    within `kernels.use_packed(False)` it runs transformers' way, on the dequantized weight."""
+
+    def __init__(self, panels: BlockPanels, bias: torch.Tensor | None):
+        super().__init__()
+        self.panels = panels
+        self.in_features, self.out_features = panels.in_features, panels.out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized fp32 weight [N, K], made on each access (the drafter's vocabulary subset
+        copies rows of the head once; the fp32 baselines): the identity's rows through the kernel."""
+        eye = torch.eye(self.in_features)
+        return torch.cat([block_linear(eye[i:i + few_rows.MAX_ROWS], self.panels)
+                          for i in range(0, self.in_features, few_rows.MAX_ROWS)]).T.contiguous()  # [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return nn.functional.linear(x, self.weight.to(x), self.bias)
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        step = few_rows.MAX_ROWS
+        y = torch.cat([block_linear(rows[i:i + step], self.panels, self.bias) for i in range(0, len(rows), step)]) \
+            if len(rows) > step else block_linear(rows, self.panels, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.panels.kind}"
+
+
+@dataclass
+class BlockReport:
+    """What `keep_blocks` did: layers by block kind, the bytes the kept layers now hold against
+    their fp32 weights, and the tensors left dequantized (kind or reason)."""
+
+    kinds: dict[str, int] = field(default_factory=dict)
+    block_bytes: int = 0
+    fp32_bytes: int = 0
+    left: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        return (f"{sum(self.kinds.values())} linear layers kept in GGUF blocks ({kinds}): "
+                f"{self.block_bytes / 2**20:.0f} MiB against {self.fp32_bytes / 2**20:.0f} MiB in fp32")
+
+
+def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+    """The order transformers gives a GGUF tensor's rows (Q/K un-permuted), found by running its
+    tensor processor on the row numbers; None where it does more than reorder rows."""
+    index = np.arange(rows, dtype=np.float64)[:, None]  # [N, 1]
+    try:
+        out = processor.process(weights=index, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+    except Exception:  # a processor that needs the real weights (MoE experts, fused tensors)
+        return None
+    w = np.asarray(getattr(out, "weights", None))
+    if getattr(out, "name", None) != name or w.shape != index.shape:
+        return None
+    order = w[:, 0].astype(np.int64)
+    return order if np.array_equal(np.sort(order), np.arange(rows)) else None
+
+
+def keep_blocks(model: nn.Module, gguf_path: str | Path) -> BlockReport:
+    """Swap `model`'s linear layers (loaded by transformers from `gguf_path`, fp32, CPU) for
+    `BlockLinear`s over the file's blocks where the kernel computes their kind."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, read_field)
+
+    reader = GGUFReader(str(gguf_path))
+    arch = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> HF parameter name
+    modules = dict(model.named_modules())
+    report = BlockReport()
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and isinstance(head, nn.Linear) \
+        and "output.weight" not in {t.name for t in reader.tensors}
+    head_name = next(name for name, m in modules.items() if m is head) if tied else None
+    for tensor in reader.tensors:
+        hf = names.get(tensor.name)
+        if tied and tensor.name == "token_embd.weight":  # the tied head: the embedding's blocks (it stays fp32)
+            hf = f"{head_name}.weight"
+        if hf is None or not hf.endswith(".weight"):
+            continue
+        owner = hf[: -len(".weight")]
+        linear = modules.get(owner)
+        if not isinstance(linear, nn.Linear):
+            continue
+        kind = kind_name(tensor.tensor_type)
+        if kind is None:
+            report.left[hf] = tensor.tensor_type.name
+            continue
+        n, k = linear.out_features, linear.in_features
+        order = _row_order(processor, tensor.name, n)
+        if order is None or tuple(int(s) for s in reversed(tensor.shape)) != (n, k):
+            report.left[hf] = "rows not a plain reordering"
+            continue
+        raw = np.asarray(tensor.data).reshape(n, -1)[order]  # [N, K / 32 * block bytes], transformers' row order
+        check = np.linspace(0, n - 1, CHECK_ROWS).astype(np.int64)
+        expected = torch.from_numpy(dequantize(raw[check], tensor.tensor_type).astype(np.float32)).view(len(check), k)
+        if not torch.equal(expected, linear.weight.detach()[check]):
+            raise RuntimeError(f"{hf}: the GGUF blocks of {tensor.name} do not dequantize to the loaded weight")
+        panels = pack_blocks(raw, kind, n, k)
+        parent, _, attr = owner.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, BlockLinear(panels, linear.bias))
+        report.kinds[kind] = report.kinds.get(kind, 0) + 1
+        report.block_bytes += panels.nbytes
+        report.fp32_bytes += n * k * 4
+    if report.left:
+        kinds = sorted(set(report.left.values()))
+        print(f"blockdraft: {len(report.left)} GGUF tensors stay dequantized to fp32 ({', '.join(kinds)})",
+              file=sys.stderr)
+    return report
