@@ -29,7 +29,8 @@ constexpr int64_t NR = 16;  // output features per panel: two AVX2 vectors
 #define BD_DECL(i, v) __m256 a##i##v = _mm256_setzero_ps();
 #define BD_FMA(i, v) if constexpr (MR > i && NV > v) a##i##v = _mm256_fmadd_ps(xi, w##v, a##i##v);
 #define BD_STORE(i, v) if constexpr (MR > i && NV > v) store(y + i * ldy, n0 + 8 * v, N, scaled(a##i##v, scale, n0 + 8 * v));
-#define BD_LOAD(v) const __m256 w##v = NV > v ? panels(v / 2, k, v % 2) : zero;
+#define BD_SCALE(v) const typename R::Scale s##v = NV > v ? panels.scale(v / 2, k0, v % 2) : typename R::Scale{};
+#define BD_LOAD(v) const __m256 w##v = NV > v ? panels(v / 2, k, v % 2, s##v) : zero;
 // row i: its x[i, k] broadcast just before its FMAs (all six broadcast first would need 20 registers)
 #define BD_STEP(i) if constexpr (MR > i) { const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k); BD_ROW(i, BD_FMA) }
 
@@ -64,11 +65,16 @@ inline void store(float* row, int64_t n, int64_t N, __m256 v) {
 // A weight's panels as the tiles read them: `r(p, k, h)` is eight fp32 weights, panel p (counted
 // from the reader's first), input k, outputs 8h .. 8h+7; `r.line(p, k)` the memory behind them (to
 // prefetch); `r.from(p)` the reader whose first panel is p.
+// Weights come in spans of k that share their scales (`SPAN`, 0: the whole row): `r.scale(p, k0, h)`
+// is what a span starting at k0 needs (read once per span, not once per k).
 template <typename T>
 struct Panels {  // fp32, bf16 or int8 panels [P][K][16], widened exactly by load8
+    struct Scale {};
+    static constexpr int64_t SPAN = 0;
     const T* data;
     int64_t stride;  // elements per panel: K * 16
-    inline __m256 operator()(int p, int64_t k, int h) const { return load8(data + p * stride + k * NR + 8 * h); }
+    inline Scale scale(int, int64_t, int) const { return {}; }
+    inline __m256 operator()(int p, int64_t k, int h, Scale) const { return load8(data + p * stride + k * NR + 8 * h); }
     inline const char* line(int p, int64_t k) const { return reinterpret_cast<const char*>(data + p * stride + k * NR); }
     inline Panels from(int64_t p) const { return {data + p * stride, stride}; }
 };
@@ -77,34 +83,40 @@ struct Panels {  // fp32, bf16 or int8 panels [P][K][16], widened exactly by loa
 // registers, exactly as the `gguf` package dequantizes them (so a layer computes with the very
 // fp32 weights a dequantized copy holds): Q4_0 d * (q - 8), Q4_1 (d * q) + m, Q8_0 d * q, with d
 // and m fp16 per (block, output), widened exactly. Each product of an fp16 by a 4- or 8-bit
-// integer is exact in fp32, so the one rounding (Q4_1's add) is the same fused or not.
+// integer is exact in fp32, so the one rounding (Q4_1's add) is the same fused or not: Q4_1 is
+// dequantized by one fma(q, d, m).
 // Codes [P][K][8] bytes (4-bit: output j's code in the low nibble of byte j, output j + 8's in
 // the high one) or [P][K][16] int8; d, m [P][K / 32][16] fp16.
 enum BlockKind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 
 template <int KIND>
 struct Blocks {
+    struct Scale { __m256 d, m; };
+    static constexpr int64_t SPAN = 32;  // a block
     static constexpr int64_t CODE_BYTES = KIND == Q8_0 ? NR : NR / 2;  // per panel and k
     const uint8_t* codes;
     const uint16_t* d;
     const uint16_t* m;
     int64_t code_stride, scale_stride;  // bytes / halves per panel: K * CODE_BYTES, K / 32 * 16
-    inline __m256 half8(const uint16_t* h) const {
+    static inline __m256 half8(const uint16_t* h) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
     }
-    inline __m256 operator()(int p, int64_t k, int h) const {
-        const int64_t s = p * scale_stride + (k >> 5) * NR + 8 * h;
+    inline Scale scale(int p, int64_t k0, int h) const {
+        const int64_t s = p * scale_stride + (k0 >> 5) * NR + 8 * h;
+        return {half8(d + s), KIND == Q4_1 ? half8(m + s) : _mm256_setzero_ps()};
+    }
+    inline __m256 operator()(int p, int64_t k, int h, const Scale& s) const {
         const uint8_t* c = codes + p * code_stride + k * CODE_BYTES;
         if constexpr (KIND == Q8_0) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * h)));
-            return _mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(q));
+            return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(q));
         } else {
             __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
             q = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
             if constexpr (KIND == Q4_0)
-                return _mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+                return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
             else
-                return _mm256_add_ps(_mm256_mul_ps(half8(d + s), _mm256_cvtepi32_ps(q)), half8(m + s));
+                return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s.d, s.m);  // d * q exact: one rounding either way
         }
     }
     inline const char* line(int p, int64_t k) const {
@@ -123,12 +135,16 @@ inline void tile(const float* x, int64_t ldx, const R& panels, int64_t K, float*
     static_assert(MR <= 6 && NV <= 8 && MR * NV <= 12, "accumulators must fit the registers");
     const __m256 zero = _mm256_setzero_ps();
     BD_ROWS(BD_DECL)
-    for (int64_t k = 0; k < K; ++k) {
-        // the next panels' row k (one cache line), read from memory while these rows compute
-        if constexpr (PREFETCH && NP == 1)  // (at one to three rows it measured slower: memory-bound anyway)
-            for (int p = NP; p < 2 * NP; ++p) _mm_prefetch(panels.line(p, k), _MM_HINT_T0);
-        BD_LOAD(0) BD_LOAD(1) BD_LOAD(2) BD_LOAD(3) BD_LOAD(4) BD_LOAD(5) BD_LOAD(6) BD_LOAD(7)
-        BD_STEP(0) BD_STEP(1) BD_STEP(2) BD_STEP(3) BD_STEP(4) BD_STEP(5)
+    const int64_t span = R::SPAN ? R::SPAN : K;
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+        BD_SCALE(0) BD_SCALE(1) BD_SCALE(2) BD_SCALE(3) BD_SCALE(4) BD_SCALE(5) BD_SCALE(6) BD_SCALE(7)
+        for (int64_t k = k0; k < k0 + span; ++k) {
+            // the next panels' row k (one cache line), read from memory while these rows compute
+            if constexpr (PREFETCH && NP == 1)  // (at one to three rows it measured slower: memory-bound anyway)
+                for (int p = NP; p < 2 * NP; ++p) _mm_prefetch(panels.line(p, k), _MM_HINT_T0);
+            BD_LOAD(0) BD_LOAD(1) BD_LOAD(2) BD_LOAD(3) BD_LOAD(4) BD_LOAD(5) BD_LOAD(6) BD_LOAD(7)
+            BD_STEP(0) BD_STEP(1) BD_STEP(2) BD_STEP(3) BD_STEP(4) BD_STEP(5)
+        }
     }
     BD_ROWS(BD_STORE)
 }
