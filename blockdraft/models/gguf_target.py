@@ -6,12 +6,14 @@ GGUF tensor is of a kind the few-row kernel computes (gguf_blocks.py) for a `Blo
 file's own blocks, rows put in transformers' order, and frees the fp32 weight. The block kernel
 dequantizes in registers to those very fp32 weights and sums as the fp32 kernel sums, so every
 output is bitwise what the dequantized layer gave: greedy output is unchanged, at a fifth to a third
-of the bytes a step streams. Each swap is checked against the loaded weight (a few rows, bitwise)
+of the bytes a step streams. Each swap is checked against the loaded weight (a few columns of every row, bitwise)
 before the weight is dropped, so a wrong name or row order is refused, never computed with.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from . import few_rows
 from .gguf_blocks import BlockPanels, block_linear, kind_name, pack_blocks
 from .kernels import _packed_enabled
 
-CHECK_ROWS = 4  # rows of each weight compared bitwise with the loaded fp32 before it is dropped
+CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the loaded fp32 before it is dropped
 
 
 class BlockLinear(nn.Module):
@@ -90,10 +92,59 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
     return order if np.array_equal(np.sort(order), np.arange(rows)) else None
 
 
-def keep_blocks(model: nn.Module, gguf_path: str | Path) -> BlockReport:
+def keep_blocks(model: nn.Module, gguf_path: str | Path, cache: Path | None = None) -> BlockReport:
     """Swap `model`'s linear layers (loaded by transformers from `gguf_path`, fp32, CPU) for
-    `BlockLinear`s over the file's blocks where the kernel computes their kind."""
-    from gguf import GGUFReader, dequantize
+    `BlockLinear`s over the file's blocks where the kernel computes their kind. `cache`: a
+    safetensors file of the packed blocks, read if it exists (reading the GGUF and packing its
+    blocks took 10-30 s for SmolLM2), written after packing otherwise."""
+    packed = _read_cache(cache) if cache is not None and cache.is_file() else None
+    if packed is None:
+        packed = _pack_file(model, gguf_path)
+        if cache is not None:
+            _write_cache(cache, packed)
+    modules = dict(model.named_modules())
+    report = BlockReport(left=dict(packed.left))
+    for owner, panels in packed.layers.items():
+        linear = modules.get(owner)
+        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != \
+                (panels.out_features, panels.in_features):
+            raise RuntimeError(f"{owner}: no linear layer of shape [{panels.out_features}, {panels.in_features}]")
+        _check(owner, panels, linear.weight.detach())
+        parent, _, attr = owner.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, BlockLinear(panels, linear.bias))
+        report.kinds[panels.kind] = report.kinds.get(panels.kind, 0) + 1
+        report.block_bytes += panels.nbytes
+        report.fp32_bytes += panels.out_features * panels.in_features * 4
+    # The loaded weights may be views of one memory-mapped file, whose pages the checks above
+    # touched: a copy of what stays fp32 (norms, the embedding) lets the whole mapping go.
+    for param in model.parameters():
+        param.data = param.data.clone()
+    if report.left:
+        kinds = sorted(set(report.left.values()))
+        print(f"blockdraft: {len(report.left)} GGUF tensors stay dequantized to fp32 ({', '.join(kinds)})",
+              file=sys.stderr)
+    return report
+
+
+def _check(owner: str, panels: BlockPanels, weight: torch.Tensor) -> None:
+    """Refuse blocks that do not dequantize, in the kernel, to the loaded weight: a few input
+    columns of every row, compared bitwise (a wrong name or row order fails here)."""
+    k = panels.in_features
+    cols = torch.linspace(0, k - 1, CHECK_COLUMNS).long()
+    got = block_linear(torch.eye(k)[cols], panels)  # [C, N]: column c of the weight, exactly
+    if not torch.equal(got, weight[:, cols].T):
+        raise RuntimeError(f"{owner}: the GGUF blocks do not dequantize to the loaded weight")
+
+
+@dataclass
+class _Packed:
+    layers: dict[str, BlockPanels]  # module name -> its blocks
+    left: dict[str, str]  # tensors left dequantized: name -> kind or reason
+
+
+def _pack_file(model: nn.Module, gguf_path: str | Path) -> _Packed:
+    """The blocks of every linear layer the kernel computes, rows in transformers' order."""
+    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
@@ -102,43 +153,58 @@ def keep_blocks(model: nn.Module, gguf_path: str | Path) -> BlockReport:
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> HF parameter name
     modules = dict(model.named_modules())
-    report = BlockReport()
     head = model.get_output_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and isinstance(head, nn.Linear) \
         and "output.weight" not in {t.name for t in reader.tensors}
     head_name = next(name for name, m in modules.items() if m is head) if tied else None
+    packed = _Packed({}, {})
     for tensor in reader.tensors:
         hf = names.get(tensor.name)
         if tied and tensor.name == "token_embd.weight":  # the tied head: the embedding's blocks (it stays fp32)
             hf = f"{head_name}.weight"
-        if hf is None or not hf.endswith(".weight"):
+        if hf is None or not hf.endswith(".weight") or not isinstance(modules.get(hf[:-7]), nn.Linear):
             continue
-        owner = hf[: -len(".weight")]
-        linear = modules.get(owner)
-        if not isinstance(linear, nn.Linear):
-            continue
+        linear = modules[hf[:-7]]
         kind = kind_name(tensor.tensor_type)
         if kind is None:
-            report.left[hf] = tensor.tensor_type.name
+            packed.left[hf] = tensor.tensor_type.name
             continue
         n, k = linear.out_features, linear.in_features
         order = _row_order(processor, tensor.name, n)
         if order is None or tuple(int(s) for s in reversed(tensor.shape)) != (n, k):
-            report.left[hf] = "rows not a plain reordering"
+            packed.left[hf] = "rows not a plain reordering"
             continue
         raw = np.asarray(tensor.data).reshape(n, -1)[order]  # [N, K / 32 * block bytes], transformers' row order
-        check = np.linspace(0, n - 1, CHECK_ROWS).astype(np.int64)
-        expected = torch.from_numpy(dequantize(raw[check], tensor.tensor_type).astype(np.float32)).view(len(check), k)
-        if not torch.equal(expected, linear.weight.detach()[check]):
-            raise RuntimeError(f"{hf}: the GGUF blocks of {tensor.name} do not dequantize to the loaded weight")
-        panels = pack_blocks(raw, kind, n, k)
-        parent, _, attr = owner.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, BlockLinear(panels, linear.bias))
-        report.kinds[kind] = report.kinds.get(kind, 0) + 1
-        report.block_bytes += panels.nbytes
-        report.fp32_bytes += n * k * 4
-    if report.left:
-        kinds = sorted(set(report.left.values()))
-        print(f"blockdraft: {len(report.left)} GGUF tensors stay dequantized to fp32 ({', '.join(kinds)})",
-              file=sys.stderr)
-    return report
+        packed.layers[hf[:-7]] = pack_blocks(raw, kind, n, k)
+    return packed
+
+
+def _write_cache(path: Path, packed: _Packed) -> None:
+    """The packed blocks as safetensors (never a pickle), written to a temporary name and renamed."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, p in packed.layers.items():
+        tensors[f"{name}.codes"], tensors[f"{name}.d"] = p.codes, p.d
+        if p.m is not None:
+            tensors[f"{name}.m"] = p.m
+        meta[name] = [p.kind, p.out_features, p.in_features]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"layers": json.dumps(meta), "left": json.dumps(packed.left)})
+    os.replace(tmp, path)
+
+
+def _read_cache(path: Path) -> _Packed | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            layers = {}
+            for name, (kind, n, k) in json.loads(meta["layers"]).items():
+                m = f.get_tensor(f"{name}.m") if kind == "Q4_1" else None
+                layers[name] = BlockPanels(kind, f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.d"), m, n, k)
+            return _Packed(layers, json.loads(meta.get("left", "{}")))
+    except (SafetensorError, OSError, KeyError, ValueError):
+        return None  # unreadable or from another version: packed again
