@@ -11,6 +11,7 @@ import torch
 from blockdraft.errors import BlockdraftError
 from blockdraft.training import train as T
 from blockdraft.training.data import _read_done, load_samples, split_of
+from blockdraft.training.state import latest_state, load_state
 from blockdraft.models.draft import DraftCache
 
 from conftest import tiny_draft, tiny_target
@@ -160,11 +161,11 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tiny_run):
     T.train(_cfg(tiny_run, tiny_run / "one3", max_steps=3), progress=False)
     _torchrun(tiny_run, "fsdp", 29518, "--parallel", "fsdp")
     _assert_same_training(_weights(tiny_run / "one3"), _weights(tiny_run / "fsdp"))
-    one_state = T._load_state(tiny_run / "one3" / "state")
-    fsdp_state = T._load_state(tiny_run / "fsdp" / "state")
-    assert fsdp_state[3] == 3
-    for idx, st in one_state[1]["state"].items():  # the Adam moments, gathered whole
-        torch.testing.assert_close(st["exp_avg"], fsdp_state[1]["state"][idx]["exp_avg"], rtol=1e-2, atol=1e-5)
+    one_state = load_state(latest_state(tiny_run / "one3"))
+    fsdp_state = load_state(latest_state(tiny_run / "fsdp"))
+    assert fsdp_state.step == 3
+    for idx, st in one_state.optimizer["state"].items():  # the Adam moments, gathered whole
+        torch.testing.assert_close(st["exp_avg"], fsdp_state.optimizer["state"][idx]["exp_avg"], rtol=1e-2, atol=1e-5)
     # 3 more steps, sharded, from the whole tensors saved; against one process doing the same (the
     # schedule follows --max-steps, so a 3-step run continued to 6 is not a 6-step run)
     T.train(_cfg(tiny_run, tiny_run / "one3", max_steps=6), resume=True, progress=False)

@@ -1,13 +1,24 @@
 """Drafter checkpoints in the z-lab format (DFLASH.md), loadable unchanged by vLLM, SGLang and the
-reference `DFlashDraftModel`: `config.json` + `model.safetensors` with unprefixed keys.
-Safetensors only: a checkpoint never runs code when loaded.
+reference `DFlashDraftModel`: `config.json` + `model.safetensors` with unprefixed keys (and our
+draft vocabulary subset in `vocab/`, vocab.py). Safetensors only: a checkpoint never runs code.
+
+One save is one unit. Every file of a save carries the save's stamp, a digest of what it holds
+(config.json's `"blockdraft_save"`, the safetensors files' metadata), and `load_draft` refuses a
+directory whose files carry different stamps: a save a kill cut short, or one under way, never
+loads as a config of one save with the weights of another. Each file is replaced whole (a temp
+file, fsynced, `os.replace`) and config.json comes last: it is the commit. Why not a new directory
+swapped in: the drafter must stay a plain directory at the same path (vLLM, SGLang and the
+reference read `config.json` and the top-level `*.safetensors` there), swapping a directory takes
+two renames with a gap between them (the very bug issue 49 found in the trainer's checkpoints),
+and a symlink in its place is copied as a dangling link by `cp -r` and committed as a link by git.
+Readers that do not check stamps (the peers) see whole files, the config last.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -114,7 +125,7 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
         scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
     layer_types, window = _layer_types(raw, n_layers, where)
     known = set(config_to_json(_dummy()).keys()) | {"sliding_window", "is_causal", "rope_scaling",
-                                                    "blockdraft_conditioning"}
+                                                    "blockdraft_conditioning", SAVE_KEY}
     cfg = DraftConfig(
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -148,38 +159,115 @@ def config_from_json(raw: dict, where: str = "config.json") -> DraftConfig:
     return cfg
 
 
+SAVE_KEY = "blockdraft_save"  # config.json: {"id": stamp, "subset": bool}; safetensors metadata: stamp
+
+
 def _dummy() -> DraftConfig:
     return DraftConfig(8, 8, 1, 1, 1, 8, 8, 1, [0], 0)
 
 
-def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json and model.safetensors atomically (temp files, then rename)."""
+def _stamp(config: dict, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor | None) -> str:
+    """A digest of a save's contents: the same drafter saved twice gives the same files, byte for byte."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    if vocab_ids is not None:
+        h.update(b"vocab:" + torch.as_tensor(vocab_ids, dtype=torch.long).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, with the metadata in sorted order: safetensors writes it in hash
+    order, which differs from one process to the next, and a drafter saved twice (a committed one
+    saved again) should be the same bytes. Reordering keys keeps the header's length, so the
+    tensors' offsets stay as they are."""
+    import struct
+
     from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        raw = f.read(size)
+        header = json.loads(raw)
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        again = json.dumps(header, separators=(",", ":")).encode()
+        if len(again) == len(raw.rstrip(b" ")):  # as serde wrote it, but for the order: rewrite in place
+            f.seek(8)
+            f.write(again)
+
+
+def _replace_file(directory: Path, name: str, write) -> None:
+    """Put `name` in place whole: written to `.NAME.tmp` by `write(path)`, fsynced, renamed. A
+    fixed temp name, so that one a kill leaves behind is overwritten by the next save, not piled up."""
+    tmp = directory / f".{name}.tmp"
+    write(str(tmp))
+    os.chmod(tmp, 0o644)  # a checkpoint is meant to be shared
+    fsync_path(tmp)
+    os.replace(tmp, directory / name)
+
+
+def fsync_path(path) -> None:
+    """Flush a file's data (or a directory's entries: a rename in it) to the disk, so that a save
+    survives losing the machine too, not only a killed process. A directory cannot be opened for
+    this on some systems (Windows): there the file system keeps the rename as it may."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write the drafter into `directory` as one unit (module docstring): the subset (if any), the
+    weights, then config.json, the commit; a subset the new save lacks is removed last, so that a
+    kill before the commit leaves the previous save whole, with its subset."""
+    from .vocab import remove_vocab, save_vocab
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    for name, payload in (("model.safetensors", state), ("config.json", config_to_json(model.cfg))):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
-        os.close(fd)
-        if name.endswith(".safetensors"):
-            save_file(payload, tmp, metadata={"format": "pt"})
-        else:
-            Path(tmp).write_text(json.dumps(payload, indent=2) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a checkpoint is meant to be shared
-        os.replace(tmp, directory / name)
-    from .vocab import remove_vocab, save_vocab
-
+    config = config_to_json(model.cfg)
+    stamp = _stamp(config, state, model.vocab_ids)
     if model.vocab_ids is not None:
-        save_vocab(directory, model.vocab_ids, model.cfg.vocab_size)
-    else:
+        save_vocab(directory, model.vocab_ids, model.cfg.vocab_size, metadata={SAVE_KEY: stamp})
+    _replace_file(directory, "model.safetensors",
+                  lambda p: save_safetensors(state, p, {"format": "pt", SAVE_KEY: stamp}))
+    config[SAVE_KEY] = {"id": stamp, "subset": model.vocab_ids is not None}
+    _replace_file(directory, "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    if model.vocab_ids is None:
         remove_vocab(directory)  # a stale subset of the weights this directory held before
+    fsync_path(directory)
     return directory
 
 
+def _save_entry(raw: dict, where: Path) -> tuple[str, bool] | None:
+    """config.json's stamp (id, whether the save had a subset); None for a drafter saved before
+    stamps, or by another tool (no checks then)."""
+    entry = raw.get(SAVE_KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+        raise BlockdraftError(f"{where}: {SAVE_KEY} must be {{\"id\": str, \"subset\": bool}} (got {entry!r})")
+    return entry["id"], bool(entry.get("subset"))
+
+
+def _torn(directory: Path, what: str) -> BlockdraftError:
+    return BlockdraftError(
+        f"drafter {str(directory)!r}: {what} come from different saves (a save was killed part way, or is "
+        f"under way now); save the drafter again (a resumed `blockdraft train` does), or, to load these files "
+        f"as they are, delete the \"{SAVE_KEY}\" entry of its config.json")
+
+
 def load_draft(directory: str | os.PathLike, device=None, dtype: torch.dtype | None = None) -> DraftModel:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
     cfg_path, weights = directory / "config.json", directory / "model.safetensors"
@@ -191,10 +279,15 @@ def load_draft(directory: str | os.PathLike, device=None, dtype: torch.dtype | N
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BlockdraftError(f"{cfg_path}: invalid JSON ({err})") from err
     cfg = config_from_json(raw, str(cfg_path))
+    save = _save_entry(raw, cfg_path)
     try:
-        state = load_file(str(weights))
+        with safe_open(str(weights), "pt") as f:  # the stamp and the tensors from one open file
+            stamp = (f.metadata() or {}).get(SAVE_KEY)
+            state = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise BlockdraftError(f"{weights}: not a readable safetensors file ({err})") from err
+    if save is not None and stamp != save[0]:
+        raise _torn(directory, "config.json and model.safetensors")
     model = DraftModel(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -207,10 +300,32 @@ def load_draft(directory: str | os.PathLike, device=None, dtype: torch.dtype | N
     if bad:
         raise BlockdraftError(f"{weights}: tensor shapes do not match config.json: {bad[:3]}")
     model.load_state_dict(state)
-    from .vocab import load_vocab
-
-    model.vocab_ids = load_vocab(directory, cfg.vocab_size)  # a draft vocabulary subset, if it has one
+    model.vocab_ids = _subset(directory, cfg.vocab_size, save)  # a draft vocabulary subset, if it has one
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _subset(directory: Path, vocab: int, save: tuple[str, bool] | None) -> torch.Tensor | None:
+    """The subset that belongs to the save in `directory`. A subset file without a stamp was added
+    by `blockdraft vocab` (or predates stamps): it is the user's and counts. One stamped by another
+    save is left over from the save before: if this save had no subset, its removal (the last
+    step of a save) was cut short, and it is ignored; if this save had one, it was overwritten by
+    a save cut short before its commit, and the directory is refused."""
+    from .vocab import load_vocab, vocab_file
+
+    path = vocab_file(directory)
+    if save is not None and path is not None:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                stamp = (f.metadata() or {}).get(SAVE_KEY)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise BlockdraftError(f"{path}: not a readable safetensors file ({err})") from err
+        if stamp is not None and stamp != save[0]:
+            if save[1]:
+                raise _torn(directory, f"config.json and {path.relative_to(directory)}")
+            return None
+    return load_vocab(directory, vocab)
 
 
 def check_fits(cfg: DraftConfig, target) -> None:

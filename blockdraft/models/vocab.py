@@ -12,7 +12,9 @@ vLLM, SGLang and the reference `DFlashDraftModel` load the drafter exactly as be
 the full vocabulary). The subfolder matters: vLLM loads every `*.safetensors` at a checkpoint's top
 level and refuses the drafter over a `d2t` its DFlash model has no parameter for (found by the
 vLLM check, docs/vllm.md). A file at the top level (`LEGACY_VOCAB_FILE`, as before) is still read,
-and moved into the subfolder whenever the drafter is saved or given a subset again.
+and moved into the subfolder whenever the drafter is saved or given a subset again. Saved with the
+drafter (`save_draft`), the file carries that save's stamp, so that a subset of another save is told
+apart (checkpoint.py); one given later (`blockdraft vocab`) carries none and is the user's.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def coverage(token_lists, ids: torch.Tensor) -> float:
     return inside / total if total else 0.0
 
 
-def save_vocab(directory: str | Path, ids: torch.Tensor, vocab: int) -> Path:
-    """Write `vocab/draft_vocab.safetensors` (d2t, t2d) for the sorted target ids `ids`."""
-    from safetensors.torch import save_file
+def save_vocab(directory: str | Path, ids: torch.Tensor, vocab: int, metadata: dict[str, str] | None = None) -> Path:
+    """Write `vocab/draft_vocab.safetensors` (d2t, t2d) for the sorted target ids `ids`, whole (a
+    temp file, fsynced, renamed); `metadata`: save_draft's stamp (checkpoint.py), none when a
+    subset is given to a saved drafter."""
+    from .checkpoint import fsync_path, save_safetensors
 
     ids = torch.as_tensor(ids, dtype=torch.long)
     _check(ids, vocab, str(directory))
@@ -63,8 +67,9 @@ def save_vocab(directory: str | Path, ids: torch.Tensor, vocab: int) -> Path:
     path = Path(directory) / VOCAB_FILE
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name("." + path.name + ".tmp")
-    save_file({"d2t": ids - torch.arange(len(ids)), "t2d": t2d}, str(tmp), metadata={"format": "pt"})
+    save_safetensors({"d2t": ids - torch.arange(len(ids)), "t2d": t2d}, tmp, {"format": "pt", **(metadata or {})})
     tmp.chmod(0o644)  # meant to be shared with the checkpoint
+    fsync_path(tmp)
     tmp.replace(path)
     (Path(directory) / LEGACY_VOCAB_FILE).unlink(missing_ok=True)
     return path
@@ -76,15 +81,21 @@ def remove_vocab(directory: str | Path) -> None:
         (Path(directory) / name).unlink(missing_ok=True)
 
 
+def vocab_file(directory: str | Path) -> Path | None:
+    """The subset file a drafter directory holds (the legacy top-level one if only it), or None."""
+    for name in (VOCAB_FILE, LEGACY_VOCAB_FILE):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
 def load_vocab(directory: str | Path, vocab: int) -> torch.Tensor | None:
     """The subset's sorted target ids, or None if the drafter has no subset file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(directory) / VOCAB_FILE
-    if not path.is_file():
-        path = Path(directory) / LEGACY_VOCAB_FILE
-    if not path.is_file():
+    path = vocab_file(directory)
+    if path is None:
         return None
     try:
         data = load_file(str(path))

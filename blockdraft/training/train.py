@@ -8,8 +8,9 @@ Loss: cross entropy at block position k weighted exp(-(k-1)/gamma), normalised b
 (the batch and its loss: batch.py).
 
 Everything random is derived from (seed, step), so `--resume` needs only the step number and
-continues exactly where an uninterrupted run would be. `torchrun` gives data-parallel training,
-DDP or FSDP (`--parallel`, parallel.py).
+continues exactly where an uninterrupted run would be; checkpoints survive kills at any point
+(state.py), and a resumed command must keep the run's settings (`MAY_CHANGE_ON_RESUME`).
+`torchrun` gives data-parallel training, DDP or FSDP (`--parallel`, parallel.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from ..models.draft import DraftModel, build_draft_config, init_scale_check
 from ..models.draft_config import EMBEDDING_TAP
 from ..errors import BlockdraftError
 from .parallel import setup
+from .state import (TrainState, config_changes, has_state, latest_state, load_state, save_state,
+                    write_json_atomic)
 from .warmstart import exportable, init_from_drafter, init_from_target
 
 
@@ -78,6 +80,20 @@ class TrainConfig:
     target_dtype: str = "auto"  # the target's: "auto" (fp32 on the CPU, bf16 on CUDA), "float32", "bfloat16"
 
 
+# What `--resume` lets a command change: how long the run goes on, how it is spread over processes,
+# how the target's features reach it, and what is logged. Every other field changes what the run
+# learns (its shape, data, labels, recipe, seed), so a resumed run with another value would be a
+# different run under the old one's name: it is refused, naming the fields. A new TrainConfig field
+# is checked on resume unless it is added here.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "out",  # the run directory, moved
+    "max_steps",  # not below the step reached (the schedule follows it: a 3-step run continued to 6
+    #               is not a 6-step run)
+    "time_budget_minutes", "parallel", "features", "target_dtype",
+    "log_every", "save_every", "eval_every", "eval_prompts", "eval_sequences", "eval_tokens",
+})
+
+
 def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
     """Linear warmup, then cosine decay to 10% of the peak. With a time budget the decay follows
     whichever is further along, the steps or the time (elapsed seconds), so a run the budget cuts
@@ -91,45 +107,46 @@ def lr_at(step: int, cfg: TrainConfig, elapsed: float = 0.0) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _save_state(path: Path, model_state: dict, opt_state: dict, tap_scale, step: int, cfg: TrainConfig,
-                elapsed: float) -> None:
-    """Whole model and optimizer states (torch's formats). Atomic: write a new directory, then swap
-    it in by rename."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {f"draft.{k}": v.detach().cpu().contiguous() for k, v in model_state.items()}
-    for idx, st in opt_state["state"].items():
-        for k, v in st.items():
-            tensors[f"opt.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
-    if tap_scale is not None:
-        tensors["tap_scale"] = tap_scale.cpu()
-    save_file(tensors, str(tmp / "state.safetensors"))
-    (tmp / "trainer.json").write_text(json.dumps(
-        {"step": step, "elapsed": elapsed, "config": asdict(cfg), "param_groups": opt_state["param_groups"]}, indent=1))
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+def _as_json(cfg: TrainConfig) -> dict:
+    return json.loads(json.dumps(asdict(cfg)))  # as trainer.json will read back (inf, tuples)
 
 
-def _load_state(path: Path) -> tuple[dict, dict, torch.Tensor | None, int, float]:
-    """(model state, optimizer state, tap scale, step, elapsed seconds) of a saved run."""
-    from safetensors.torch import load_file
+def _resumable(out: Path, cfg: TrainConfig) -> TrainState | None:
+    """The checkpoint `--resume` continues from (None: the run never saved one, so it starts at
+    step 0), after checking that this command continues the same run. Runs before any heavy work."""
+    path = latest_state(out)
+    saved = load_state(path) if path else None
+    # before the first checkpoint, the config the run started with (written at its start)
+    before = saved.config if saved else _read_json(out / "config.json")
+    if before:
+        defaults = _as_json(TrainConfig(data=cfg.data, out=cfg.out))
+        changed = config_changes(before, _as_json(cfg), MAY_CHANGE_ON_RESUME, defaults)
+        if changed:
+            free = ", ".join(sorted(MAY_CHANGE_ON_RESUME - {"out"}))
+            raise BlockdraftError(f"--resume: {out} holds a run with other settings: {'; '.join(changed)}. "
+                                  f"Resume it with its own (only {free} may change), or train in a new --out")
+    if saved and saved.step > cfg.max_steps:
+        raise BlockdraftError(f"--resume: {path} is at step {saved.step}, past --max-steps {cfg.max_steps}")
+    return saved
 
-    tensors = load_file(str(path / "state.safetensors"))
-    meta = json.loads((path / "trainer.json").read_text())
-    state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, idx, name = k.split(".", 2)
-            state.setdefault(int(idx), {})[name] = v
-    model = {k[6:]: v for k, v in tensors.items() if k.startswith("draft.")}
-    opt = {"state": state, "param_groups": meta["param_groups"]}
-    return model, opt, tensors.get("tap_scale"), meta["step"], meta["elapsed"]
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # absent, or torn by a kill under the code before issue 49 (it wrote in place)
+
+
+def _open_log(path: Path):
+    """log.jsonl for appending, without a line a kill cut short (which would glue itself to the
+    next record and make the file unreadable as JSON lines)."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                f.truncate(f.read().rfind(b"\n") + 1)
+    return open(path, "a")
 
 
 def heldout_tau(draft, target, samples, n_prompts: int, max_new: int) -> float:
@@ -196,8 +213,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
     if cfg.target_dtype not in ("auto", "float32", "bfloat16"):
         raise BlockdraftError(f"--target-dtype must be auto, float32 or bfloat16 (got {cfg.target_dtype!r})")
     out = Path(cfg.out)
-    state_dir = out / "state"
-    if state_dir.exists() and not resume:
+    saved = _resumable(out, cfg) if resume else None
+    if not resume and has_state(out):
         raise BlockdraftError(f"{out} already holds a run; pass --resume to continue it or use a new --out")
     torch.manual_seed(cfg.seed)
     target = load_target(cfg.target, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and world > 1 else None,
@@ -243,18 +260,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         init_from_drafter(draft, cfg.init, tap_scale)
     frequent = frequent_tokens(samples, cfg.head_vocab, target.vocab_size) if cfg.head_vocab else None
     step, elapsed = 0, 0.0
-    saved = _load_state(state_dir) if resume and state_dir.exists() else None
     if saved:
-        draft.load_state_dict(saved[0])
-        tap_scale, step, elapsed = saved[2:]
+        draft.load_state_dict(saved.model)
+        tap_scale, step, elapsed = saved.tap_scale, saved.step, saved.elapsed
     model = par.wrap(draft)  # FSDP shards draft's parameters in place: the optimizer comes after
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if saved:
-        par.load_optimizer(draft, opt, saved[1])
+        par.load_optimizer(draft, opt, saved.optimizer)
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    log = _open_log(out / "log.jsonl") if rank == 0 else None
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        write_json_atomic(out / "config.json", asdict(cfg))
 
     @functools.lru_cache(maxsize=2)  # a step spans at most two epochs; don't redraw per sample
     def epoch_order(epoch: int) -> list[int]:
@@ -281,7 +297,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> Path
         return msd, osd, par.whole(draft, msd, lambda: DraftModel(dcfg).to(target.device)) if rank == 0 else None
 
     def save(msd: dict, osd: dict, whole: DraftModel) -> None:
-        _save_state(state_dir, msd, osd, tap_scale, step, cfg, time.perf_counter() - t_start)
+        # the checkpoint first: a kill between the two leaves a drafter one save behind (or torn,
+        # which load_draft refuses), and the resumed run's next save writes it again
+        save_state(out, TrainState(msd, osd, tap_scale, step, time.perf_counter() - t_start, _as_json(cfg)))
         save_draft(exportable(whole, tap_scale), out / "drafter")
 
     per_rank = cfg.batch_size // world
