@@ -29,6 +29,11 @@ class OracleDraft(DraftModel):
 
     def block_logits(self, embed, lm_head, cache, context_taps, anchor, position, block):
         logits = super().block_logits(embed, lm_head, cache, context_taps, anchor, position, block)
+        return self.proposal_logits(position, block, logits)
+
+    def proposal_logits(self, position: int, block: int, logits: torch.Tensor) -> torch.Tensor:
+        """Its logits [block-1, V] for the block whose anchor is at `position`, in place of the
+        drafter's `logits` (whose shape, dtype and device they take)."""
         vocab = logits.shape[-1]
         out = torch.full_like(logits, -1e4)  # [block-1, V]
         for k in range(block - 1):
