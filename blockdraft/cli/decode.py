@@ -82,31 +82,40 @@ def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: f
 def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str | None, model_name: str | None,
               max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True,
               dtype: str = "auto", draft_dtype: str = "auto", max_batch: int = 16,
-              max_step_tokens: int | None = None, backend: str = "blockdraft", vllm_python: str = "python") -> None:
+              max_step_tokens: int | None = None, backend: str = "blockdraft", vllm_python: str = "python",
+              shutdown_grace: float = 10.0, max_body_bytes: int | None = None) -> None:
+    import math
     import os
 
     if backend == "vllm":  # vLLM's OpenAI server with this drafter, in place of this process
         return _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, vllm_python)
     try:
-        from ..serving.server import create_app, serve_in_main_thread
+        from ..serving.lifecycle import serve_in_main_thread
+        from ..serving.server import create_app
     except ImportError as err:
         raise BlockdraftError(f"serving needs the 'serve' extra: pip install 'blockdraft[serve]' ({err})") from err
     if not 1 <= port <= 65535:
         raise BlockdraftError(f"--port must be in [1, 65535] (got {port})")
     if max_queue < 1 or default_max_tokens < 1 or max_batch < 1 or (max_step_tokens is not None and max_step_tokens < 1):
         raise BlockdraftError("--max-queue, --default-max-tokens, --max-batch and --max-step-tokens must be positive")
+    if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
+        raise BlockdraftError(f"--shutdown-grace must be a number of seconds >= 0 (got {shutdown_grace})")
+    if max_body_bytes is not None and max_body_bytes < 1024:
+        raise BlockdraftError(f"--max-body-bytes must be at least 1024 (got {max_body_bytes})")
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype)
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
-                     max_step_tokens, worker_thread=False)
+                     max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes)
     serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
                          f"({'API key required' if api_key else 'no API key'}; up to {max_batch} requests "
-                         "decoded together)")
+                         "decoded together)", shutdown_grace)
 
 
 def _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, python) -> None:
     """Replace this process with vLLM's server (`blockdraft export --format vllm`'s command); its
-    own options (batching, queue) are vLLM's. On a machine without CUDA: vLLM's CPU build's flags."""
+    own options (batching, queue) are vLLM's. On a machine without CUDA: vLLM's CPU build's flags.
+    The API key goes in vLLM's environment (VLLM_API_KEY), never in its command line, which any
+    user of the machine can read (ps, /proc); the line printed shows it as ***."""
     import os
     import shutil
 
@@ -117,7 +126,7 @@ def _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, py
                        api_key or os.environ.get("BLOCKDRAFT_API_KEY"))
     print(f"blockdraft serve --backend vllm: {cmd.shell()}", flush=True)
     try:
-        os.execvpe(cmd.argv[0], cmd.argv, {**os.environ, **cmd.env})
+        os.execvpe(cmd.argv[0], cmd.argv, {**os.environ, **cmd.environment()})
     except OSError as err:
         raise BlockdraftError(f"cannot start vLLM with {cmd.argv[0]!r} ({err}); pass --vllm-python, the python "
                               "of an environment with vLLM (make vllm-env builds .venv-vllm)") from err
@@ -183,4 +192,10 @@ def add_parsers(sub) -> None:
                         "`blockdraft export --format vllm` prints; --host, --port, --api-key, --model-name and "
                         "--dtype carry over, batching and queue options are vLLM's own)")
     s.add_argument("--vllm-python", default="python", help="with --backend vllm: the python of vLLM's environment")
+    s.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop admitting (503), finish the requests accepted for up to this "
+                        "long, then cut the rest (finish_reason \"abort\") and exit 0 (default: 10)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body, refused with 413 (default: 1 MiB, or 32 bytes per context token "
+                        "where that is more)")
     s.set_defaults(run=cmd_serve)

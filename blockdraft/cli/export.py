@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import BlockdraftError
 from .common import bundled_drafter
 
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's server reads its API key from here as from --api-key
+
 
 def peer_command(fmt: str, target: str, draft: str | None, block_size: int | None, dtype: str, port: int,
                  model_name: str | None, python: str, cpu: bool, host: str | None = None, api_key: str | None = None):
@@ -40,8 +42,10 @@ def peer_command(fmt: str, target: str, draft: str | None, block_size: int | Non
         raise BlockdraftError(str(err)) from err
     if host:
         cmd.argv += ["--host", host]
-    if api_key:
-        cmd.argv += ["--api-key", api_key]
+    if api_key:  # in the environment, not argv (any user of the machine can read a command line)
+        if fmt != "vllm":
+            raise BlockdraftError("an API key can be handed to vLLM only")
+        cmd.secrets[VLLM_API_KEY_ENV] = api_key
     return cmd
 
 

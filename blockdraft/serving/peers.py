@@ -24,11 +24,16 @@ PEER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 class LaunchCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)  # environment never printed (an API key)
+
+    def environment(self) -> dict[str, str]:
+        """What the peer's process gets on top of ours: `env` and `secrets`."""
+        return {**self.env, **self.secrets}
 
     def shell(self) -> str:
-        """One line for a POSIX shell, environment first."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return (env + " " if env else "") + " ".join(shlex.quote(a) for a in self.argv)
+        """One line for a POSIX shell, environment first; a secret's value shows as ***."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [f"{k}=***" for k in self.secrets]
+        return " ".join(env + [shlex.quote(a) for a in self.argv])
 
 
 def launch_command(fmt: str, target: str, drafter: str, block_size: int, dtype: str = "auto",
