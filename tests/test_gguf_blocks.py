@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from blockdraft.models import few_rows
-from blockdraft.models.gguf_blocks import KINDS, block_linear, pack_blocks
+from blockdraft.models.gguf_blocks import KINDS, block_linear, dequantize, pack_blocks
 
 pytestmark = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel does not run here")
 
@@ -35,6 +35,7 @@ def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantizatio
     # the identity reads back every dequantized weight: each output is then one weight
     eye = torch.eye(k)
     assert torch.equal(block_linear(eye, panels).T, weight)
+    assert torch.equal(dequantize(panels), weight)
     for rows in (1, 2, 3, 5, 7, 16, 17, 33):  # a row's result does not depend on the rows beside it
         assert torch.equal(block_linear(x[:rows], panels), got[:rows])
     assert torch.equal(block_linear(x[40:41], panels), got[40:41])
@@ -63,13 +64,15 @@ def test_smollm2_in_its_gguf_blocks_decodes_exactly_as_its_fp32_weights(monkeypa
     from blockdraft.decoding.engine import Engine, GenerationConfig
     from blockdraft.models.checkpoint import load_draft
     from blockdraft.models.gguf_target import BlockLinear
-    from blockdraft.models.target import load_target
+    from blockdraft.models.target import load_target, resolve_target_path
 
     torch.set_num_threads(2)
     dense = load_target("smollm2-135m", device="cpu")
     monkeypatch.setenv("BLOCKDRAFT_GGUF_BLOCKS", "1")
     blocks = load_target("smollm2-135m", device="cpu")
     assert sum(isinstance(m, BlockLinear) for m in blocks.model.modules()) == 211
+    # the packed blocks' cache stays out of the model directory's top level, which vLLM loads whole
+    assert [p.name for p in resolve_target_path("smollm2-135m").glob("*.safetensors")] == ["model.safetensors"]
     ids = blocks.encode_prompt("Write a Python function that reverses a string.", chat=True)
     with torch.inference_mode():
         for rows in (ids, ids[:7]):

@@ -70,7 +70,7 @@ def verify_proposal(out: TargetOutput, proposal: Proposal, params: SamplingParam
         v = verify_sampled(drafts, lambda a, b: probs_from_logits(out.rows(a, b), params), proposal.q, gen)
     return Outcome(v.num_accepted, v.next_token)
 
-@dataclass
+@dataclass(eq=False)  # identity: `Batch.leave` finds a sequence in a list, and fields hold tensors
 class Sequence:
     """One request's decoding state: where it stands, what its drafter has seen, how it stops."""
 

@@ -12,6 +12,9 @@ from .tree import Tree
 from .verify import SamplingParams
 
 
+STOP_WINDOW_TOKENS = 32  # stop strings are looked for in the text of this many last tokens
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 256
@@ -130,7 +133,7 @@ class Stopper:
         return out
 
     def _hit_stop_string(self) -> bool:
-        tail = self.tokenizer.decode(self.generated[-32:], skip_special_tokens=False)
+        tail = self.tokenizer.decode(self.generated[-STOP_WINDOW_TOKENS:], skip_special_tokens=False)
         return any(s in tail for s in self.stop_strings)
 
 

@@ -80,6 +80,22 @@ def pack_blocks(raw, kind: str, out_features: int, in_features: int) -> BlockPan
     return BlockPanels(kind, codes, _panels(d, out_features), m, out_features, in_features)
 
 
+def dequantize(panels: BlockPanels) -> torch.Tensor:
+    """The fp32 weight [N, K] the blocks stand for, computed as `gguf` computes it (each product of
+    an fp16 scale by a 4- or 8-bit code is exact, so this is what the kernel multiplies with)."""
+    codes = panels.codes
+    if panels.kind != "Q8_0":
+        codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # [P, K, 16]: outputs 0-7 low nibbles, 8-15 high
+    q = codes.float()
+    if panels.kind == "Q4_0":
+        q -= 8
+    d = panels.d.float().repeat_interleave(BLOCK, dim=1)  # [P, K, 16]
+    w = d * q
+    if panels.m is not None:
+        w += panels.m.float().repeat_interleave(BLOCK, dim=1)
+    return w.transpose(1, 2).reshape(-1, panels.in_features)[: panels.out_features].contiguous()  # [N, K]
+
+
 def block_linear(x: torch.Tensor, panels: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ the dequantized weight.T (+ bias): fp32 [..., N], bitwise what the fp32
     kernel gives on `gguf`'s dequantization of the same blocks."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import few_rows
-from .gguf_blocks import BlockPanels, block_linear, kind_name, pack_blocks
+from .gguf_blocks import BlockPanels, block_linear, dequantize, kind_name, pack_blocks
 from .kernels import _packed_enabled
 
 CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the loaded fp32 before it is dropped
@@ -43,10 +43,8 @@ class BlockLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized fp32 weight [N, K], made on each access (the drafter's vocabulary subset
-        copies rows of the head once; the fp32 baselines): the identity's rows through the kernel."""
-        eye = torch.eye(self.in_features)
-        return torch.cat([block_linear(eye[i:i + few_rows.MAX_ROWS], self.panels)
-                          for i in range(0, self.in_features, few_rows.MAX_ROWS)]).T.contiguous()  # [N, K]
+        copies rows of the head once)."""
+        return dequantize(self.panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":

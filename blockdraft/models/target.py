@@ -430,7 +430,8 @@ def load_target(
     if name_or_path == SMOLLM2_ALIAS and gguf_blocks_wanted(device, dtype):
         from .gguf_target import keep_blocks
 
-        keep_blocks(model, smollm2_gguf_dir() / SMOLLM2_GGUF, path / "blocks.safetensors")
+        # in a folder of its own: vLLM and SGLang load every top-level *.safetensors of a model directory
+        keep_blocks(model, smollm2_gguf_dir() / SMOLLM2_GGUF, path / "gguf-blocks" / "blocks.safetensors")
     return Target(model, tokenizer, name=name_or_path)
 
 

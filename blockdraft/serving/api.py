@@ -13,16 +13,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..decoding.state import STOP_WINDOW_TOKENS
+from ..decoding.verify import MIN_TEMPERATURE
+
 MAX_STOP_STRINGS = 4
 # decoding.state.Stopper looks for stop strings in the text of the last 32 generated tokens. Every
 # token is at least one byte, so a stop string of up to 31 UTF-8 bytes always lies inside that
 # window when its last byte arrives, with a token to spare before it (some tokenizers drop the
 # decoded window's leading space). A longer one could be missed, and generation run to max_tokens.
-STOP_WINDOW_TOKENS = 32
 MAX_STOP_BYTES = STOP_WINDOW_TOKENS - 1
-# Below this, logits / T overflow fp32 (1e-40 gave inf, then NaN probabilities) while the
-# distribution is the argmax's anyway: such a temperature decodes greedily, as vLLM's does.
-GREEDY_BELOW = 1e-5
 MAX_TOKENS_LIMIT = 1_000_000
 # Fields of OpenAI's API this server does not implement, with what they ask for (for the message).
 # Any field not in the models below is refused once it asks for something (`_asks_for_something`),
@@ -130,7 +129,7 @@ class _Request(BaseModel):
 
     @property
     def sampling_temperature(self) -> float:
-        return 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        return 0.0 if self.temperature < MIN_TEMPERATURE else self.temperature  # (verify.py: as vLLM does)
 
     def unsupported(self) -> list[str]:
         """The fields given that this server does not implement, with a value that asks for them."""
