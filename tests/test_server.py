@@ -20,37 +20,12 @@ from blockdraft.decoding.engine import GenerationConfig
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 from blockdraft.serving.server import create_app  # noqa: E402  (needs fastapi, like the two above)
+from test_server_support import ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 PROMPTS = ["What is the capital of France?", "List three colors.", "Write a haiku about rain.",
            "Say hello in Spanish."]
-
-
-
-
-class ServerThread:
-    """uvicorn on a free loopback port in a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

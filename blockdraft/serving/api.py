@@ -52,6 +52,13 @@ def _refuse(message: str) -> PydanticCustomError:
     return PydanticCustomError("blockdraft", message)
 
 
+def _only_one(value: int, name: str) -> int:
+    """`n` and `best_of`: one completion per request is all this server makes."""
+    if value != 1:
+        raise _refuse(f"only {name}=1 is supported")
+    return value
+
+
 def _asks_for_something(value) -> bool:
     """Whether an unsupported field's value asks for its feature: null, false, 0, "", [] and {}
     are what clients send for "off", and are accepted."""
@@ -119,9 +126,7 @@ class _Request(BaseModel):
     @field_validator("n", mode="after")
     @classmethod
     def _one(cls, value):
-        if value != 1:
-            raise _refuse("only n=1 is supported")
-        return value
+        return _only_one(value, "n")
 
     @property
     def include_usage(self) -> bool:
@@ -156,9 +161,7 @@ class CompletionRequest(_Request):
     @field_validator("best_of", mode="after")
     @classmethod
     def _best_of(cls, value):
-        if value != 1:
-            raise _refuse("only best_of=1 is supported")
-        return value
+        return _only_one(value, "best_of")
 
     @property
     def max_new_tokens(self) -> int | None:
