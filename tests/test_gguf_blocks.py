@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks in the few-row kernel (models/gguf_blocks.py): every kind dequantizes
+"""GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in the few-row kernel (models/gguf_blocks.py): every kind dequantizes
 to exactly the `gguf` package's fp32 weights, a layer's output is bitwise the fp32 kernel's on
 those weights, and a row's output is the same at every row count (issue 50)."""
 
@@ -13,18 +13,32 @@ from blockdraft.models.gguf_blocks import KINDS, block_linear, dequantize, pack_
 pytestmark = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel does not run here")
 
 
+# where each kind keeps its fp16 scales within a block (the rest are codes and 6- or 8-bit sub-scales)
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
 def _quantized(kind: str, n: int, k: int, seed: int = 0):
-    """A random weight quantized by the `gguf` package: (raw blocks, gguf's dequantized fp32)."""
+    """Random blocks of `kind` (the `gguf` package quantizes a random weight where it can; the
+    K-quants, which it cannot quantize, are random bytes with finite fp16 scales):
+    (raw blocks, gguf's dequantized fp32)."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
-    w[0] = 0.0  # a block of zeros: d = 0
     qtype = GGMLQuantizationType[kind]
-    raw = quants.quantize(w, qtype)
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+        w[0] = 0.0  # a block of zeros: d = 0
+        raw = quants.quantize(w, qtype)
+    else:
+        spec = KINDS[kind]
+        raw = rng.integers(0, 256, (n, k // spec.block, spec.nbytes), dtype=np.uint8)
+        for at in HALVES[kind]:
+            scale = (rng.uniform(1e-4, 0.05, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+            raw[..., at:at + 2] = scale[..., None].view(np.uint8)
+        raw = raw.reshape(n, -1)
     return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32).reshape(n, k))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("n, k", [(48, 64), (37, 96), (200, 576)])
+@pytest.mark.parametrize("n, k", [(48, 256), (37, 512), (200, 768)])
 def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantization(kind, n, k):
     raw, weight = _quantized(kind, n, k)
     panels = pack_blocks(raw, kind, n, k)
@@ -42,15 +56,17 @@ def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantizatio
 
 
 def test_a_weight_streams_at_most_a_third_of_its_fp32_bytes():
-    for kind, limit in (("Q4_0", 0.16), ("Q4_1", 0.16), ("Q8_0", 0.27)):
-        raw, _ = _quantized(kind, 256, 576)
-        assert pack_blocks(raw, kind, 256, 576).nbytes <= limit * 256 * 576 * 4, kind
+    for kind, limit in (("Q4_0", 0.16), ("Q4_1", 0.16), ("Q8_0", 0.27), ("Q4_K", 0.19), ("Q6_K", 0.32)):
+        raw, _ = _quantized(kind, 256, 768)
+        assert pack_blocks(raw, kind, 256, 768).nbytes <= limit * 256 * 768 * 4, kind
 
 
 def test_bad_shapes_and_kinds_are_refused():
     raw, _ = _quantized("Q4_1", 16, 64)
     with pytest.raises(ValueError, match="block kind"):
         pack_blocks(raw, "Q5_K", 16, 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        pack_blocks(raw, "Q4_K", 16, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_blocks(raw, "Q4_1", 16, 60)
 

@@ -79,52 +79,61 @@ struct Panels {  // fp32, bf16 or int8 panels [P][K][16], widened exactly by loa
     inline Panels from(int64_t p) const { return {data + p * stride, stride}; }
 };
 
-// GGUF's blocks of 32 weights along k, kept as the file stores them and dequantized here in
-// registers, exactly as the `gguf` package dequantizes them (so a layer computes with the very
-// fp32 weights a dequantized copy holds): Q4_0 d * (q - 8), Q4_1 (d * q) + m, Q8_0 d * q, with d
-// and m fp16 per (block, output), widened exactly. Each product of an fp16 by a 4- or 8-bit
-// integer is exact in fp32, so the one rounding (Q4_1's add) is the same fused or not: Q4_1 is
-// dequantized by one fma(q, d, m).
-// Codes [P][K][8] bytes (4-bit: output j's code in the low nibble of byte j, output j + 8's in
-// the high one) or [P][K][16] int8; d, m [P][K / 32][16] fp16.
-enum BlockKind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+// GGUF's blocks along k, kept as the file stores them and dequantized here in registers, exactly
+// as the `gguf` package dequantizes them (so a layer computes with the very fp32 weights a
+// dequantized copy holds). A span of k (a block, or a K-quant's sub-block) shares a scale d and an
+// offset m per output: Q4_0 d * (q - 8), Q4_1 (d * q) + m, Q8_0 d * q with d and m fp16, widened
+// exactly; the K-quants with d and m fp32, as `gguf` computes them from the super-block's fp16
+// scales and 6- or 8-bit sub-scales (exact products): Q4_K (d * q) - dmin_m (span 32, m = -dmin_m),
+// Q6_K d * (q - 32) (span 16, the codes stored as q - 32 in int8). Each product of such a scale by
+// a 4-bit code, or of an fp16 by an 8-bit one, is exact in fp32, so the one rounding of the
+// 4-bit kinds is the same fused or not: they dequantize by one fma(q, d, m) (Q4_0's m = -8 d).
+// Codes [P][K][8] bytes (4-bit: output j's code in the low nibble of byte j, output j + 8's in the
+// high one) or [P][K][16] int8; d, m [P][K / SPAN][16].
+enum BlockKind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4 };
 
 template <int KIND>
 struct Blocks {
     struct Scale { __m256 d, m; };
-    static constexpr int64_t SPAN = 32;  // a block
-    static constexpr int64_t CODE_BYTES = KIND == Q8_0 ? NR : NR / 2;  // per panel and k
+    static constexpr bool EIGHT_BIT = KIND == Q8_0 || KIND == Q6_K;  // int8 codes, no offset
+    static constexpr bool FP32_SCALES = KIND == Q4_K || KIND == Q6_K;
+    static constexpr int64_t SPAN = KIND == Q6_K ? 16 : 32;
+    static constexpr int64_t CODE_BYTES = EIGHT_BIT ? NR : NR / 2;  // per panel and k
     const uint8_t* codes;
-    const uint16_t* d;
-    const uint16_t* m;
-    int64_t code_stride, scale_stride;  // bytes / halves per panel: K * CODE_BYTES, K / 32 * 16
-    static inline __m256 half8(const uint16_t* h) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    const void* d;
+    const void* m;  // Q4_1 and Q4_K only
+    int64_t code_stride, scale_stride;  // bytes / scales per panel: K * CODE_BYTES, K / SPAN * 16
+    inline __m256 load_scale(const void* base, int64_t s) const {
+        if constexpr (FP32_SCALES)
+            return _mm256_loadu_ps(static_cast<const float*>(base) + s);
+        else
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + s)));
     }
     inline Scale scale(int p, int64_t k0, int h) const {
-        const int64_t s = p * scale_stride + (k0 >> 5) * NR + 8 * h;
-        return {half8(d + s), KIND == Q4_1 ? half8(m + s) : _mm256_setzero_ps()};
+        const int64_t s = p * scale_stride + (k0 / SPAN) * NR + 8 * h;
+        const __m256 d8 = load_scale(d, s);
+        if constexpr (KIND == Q4_1 || KIND == Q4_K) return {d8, load_scale(m, s)};
+        if constexpr (KIND == Q4_0) return {d8, _mm256_mul_ps(d8, _mm256_set1_ps(-8.f))};  // exact
+        return {d8, _mm256_setzero_ps()};
     }
     inline __m256 operator()(int p, int64_t k, int h, const Scale& s) const {
         const uint8_t* c = codes + p * code_stride + k * CODE_BYTES;
-        if constexpr (KIND == Q8_0) {
+        if constexpr (EIGHT_BIT) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * h)));
             return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(q));
         } else {
             __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
             q = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
-            if constexpr (KIND == Q4_0)
-                return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
-            else
-                return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s.d, s.m);  // d * q exact: one rounding either way
+            return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s.d, s.m);  // d * q exact: one rounding either way
         }
     }
     inline const char* line(int p, int64_t k) const {
         return reinterpret_cast<const char*>(codes + p * code_stride + k * CODE_BYTES);
     }
     inline Blocks from(int64_t p) const {
-        return {codes + p * code_stride, d + p * scale_stride, m == nullptr ? nullptr : m + p * scale_stride,
-                code_stride, scale_stride};
+        const int64_t bytes = (FP32_SCALES ? 4 : 2) * p * scale_stride;
+        auto at = [bytes](const void* base) { return base == nullptr ? nullptr : static_cast<const char*>(base) + bytes; };
+        return {codes + p * code_stride, at(d), at(m), code_stride, scale_stride};
     }
 };
 
@@ -243,30 +252,39 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 }
 
 // x [M, K] fp32 against a GGUF weight's blocks in panels (`Blocks`): codes [P, K, 8] uint8 (4-bit
-// kinds) or [P, K, 16] int8 (Q8_0), d and m [P, K / 32, 16] fp16 (m: Q4_1's, else empty) -> y [M, N]
-// fp32, each output summed as `linear` sums it: bitwise what `linear` gives on the dequantized weight.
+// kinds) or [P, K, 16] int8 (Q8_0, Q6_K), d and m [P, K / SPAN, 16], fp16 (Q4_0, Q4_1, Q8_0) or fp32
+// (the K-quants), m only for Q4_1 and Q4_K (else empty) -> y [M, N] fp32, each output summed as
+// `linear` sums it: bitwise what `linear` gives on the dequantized weight.
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N,
                            int64_t kind) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_linear: 2-D float32 rows");
-    TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "block_linear: kind is Q4_0, Q4_1 or Q8_0");
-    const int64_t K = x.size(1), P = codes.size(0), bytes = kind == Q8_0 ? NR : NR / 2;
+    TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "block_linear: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+    const bool eight = kind == Q8_0 || kind == Q6_K, fp32 = kind == Q4_K || kind == Q6_K;
+    const int64_t K = x.size(1), P = codes.size(0), bytes = eight ? NR : NR / 2, span = kind == Q6_K ? 16 : 32;
     TORCH_CHECK(codes.dim() == 3 && codes.size(1) == K && codes.size(2) == bytes && codes.is_contiguous() &&
                 codes.element_size() == 1 && K % 32 == 0, "block_linear: codes packed for this input width");
-    TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == P * (K / 32) * NR,
-                "block_linear: d [P, K / 32, 16] float16");
-    TORCH_CHECK(kind != Q4_1 || (m.scalar_type() == torch::kHalf && m.is_contiguous() && m.sizes() == d.sizes()),
-                "block_linear: Q4_1 needs m shaped as d");
+    TORCH_CHECK(d.scalar_type() == (fp32 ? torch::kFloat32 : torch::kHalf) && d.is_contiguous() &&
+                d.numel() == P * (K / span) * NR, "block_linear: d [P, K / span, 16] of the kind's scale type");
+    const bool offset = kind == Q4_1 || kind == Q4_K;
+    TORCH_CHECK(!offset || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
+                "block_linear: Q4_1 and Q4_K need m shaped as d");
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
     x = x.contiguous();
     const int64_t M = x.size(0);
     auto y = torch::empty({M, N}, x.options());
     const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-    const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-    const auto* mp = kind == Q4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()) : nullptr;
-    const int64_t cs = K * bytes, ss = K / 32 * NR;
-    if (kind == Q4_0) run(x.data_ptr<float>(), M, K, Blocks<Q4_0>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
-    else if (kind == Q4_1) run(x.data_ptr<float>(), M, K, Blocks<Q4_1>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
-    else run(x.data_ptr<float>(), M, K, Blocks<Q8_0>{c, dp, mp, cs, ss}, P, y.data_ptr<float>(), N);
+    const void* dp = d.data_ptr();
+    const void* mp = offset ? m.data_ptr() : nullptr;
+    const int64_t cs = K * bytes, ss = K / span * NR;
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    switch (kind) {
+        case Q4_0: run(xp, M, K, Blocks<Q4_0>{c, dp, mp, cs, ss}, P, yp, N); break;
+        case Q4_1: run(xp, M, K, Blocks<Q4_1>{c, dp, mp, cs, ss}, P, yp, N); break;
+        case Q8_0: run(xp, M, K, Blocks<Q8_0>{c, dp, mp, cs, ss}, P, yp, N); break;
+        case Q4_K: run(xp, M, K, Blocks<Q4_K>{c, dp, mp, cs, ss}, P, yp, N); break;
+        default: run(xp, M, K, Blocks<Q6_K>{c, dp, mp, cs, ss}, P, yp, N); break;
+    }
     return y;
 }
 
