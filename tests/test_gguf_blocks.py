@@ -104,3 +104,19 @@ def test_smollm2_in_its_gguf_blocks_decodes_exactly_as_its_fp32_weights(monkeypa
         hf = blocks.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=[2],
                                    pad_token_id=2)[0, len(ids):].tolist()
     assert hf[: len(plain)] == plain
+
+
+def test_packed_blocks_read_back_from_their_cache_as_written(tmp_path):
+    """Every kind's panels, offsets included (Q4_1's and Q4_K's), survive the safetensors cache."""
+    from blockdraft.models.gguf_target import _Packed, _read_cache, _write_cache
+
+    layers = {f"layer.{kind}": pack_blocks(_quantized(kind, 20, 256)[0], kind, 20, 256) for kind in sorted(KINDS)}
+    _write_cache(tmp_path / "blocks.safetensors", _Packed(layers, {"other.weight": "Q5_K"}))
+    back = _read_cache(tmp_path / "blocks.safetensors")
+    assert back.left == {"other.weight": "Q5_K"} and back.layers.keys() == layers.keys()
+    x = torch.randn(3, 256)
+    for name, panels in layers.items():
+        got = back.layers[name]
+        assert (got.kind, got.out_features, got.in_features) == (panels.kind, 20, 256)
+        assert (got.m is None) == (panels.m is None), name
+        assert torch.equal(block_linear(x, got), block_linear(x, panels)), name

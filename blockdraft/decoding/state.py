@@ -144,7 +144,7 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
     if not isinstance(config.max_new_tokens, int) or not 1 <= config.max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"max_new_tokens must be an integer in [1, 1000000] (got {config.max_new_tokens})")
     if len(prompt_ids) >= target.max_context:
-        why = f" ({target.name!r}: {target.rope_limit.reason()})" if getattr(target, "rope_limit", None) else ""
+        why = f" ({target.name!r}: {target.rope_limit.reason()})" if target.rope_limit is not None else ""
         raise BlockdraftError(
             f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}{why}"
         )

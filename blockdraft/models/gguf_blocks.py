@@ -20,6 +20,7 @@ import torch
 
 from . import few_rows
 
+
 @dataclass(frozen=True)
 class Kind:
     block: int  # weights per block along the input features (a K-quant's super-block: 256)

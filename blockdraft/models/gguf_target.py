@@ -6,8 +6,9 @@ GGUF tensor is of a kind the few-row kernel computes (gguf_blocks.py) for a `Blo
 file's own blocks, rows put in transformers' order, and frees the fp32 weight. The block kernel
 dequantizes in registers to those very fp32 weights and sums as the fp32 kernel sums, so every
 output is bitwise what the dequantized layer gave: greedy output is unchanged, at a fifth to a third
-of the bytes a step streams. Each swap is checked against the loaded weight (a few columns of every row, bitwise)
-before the weight is dropped, so a wrong name or row order is refused, never computed with.
+of the bytes a step streams. Each swap is checked against the loaded weight (a few columns of every
+row, bitwise) before the weight is dropped, so a wrong name or row order is refused, never computed
+with.
 """
 
 from __future__ import annotations
@@ -200,8 +201,9 @@ def _read_cache(path: Path) -> _Packed | None:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
             layers = {}
+            stored = set(f.keys())
             for name, (kind, n, k) in json.loads(meta["layers"]).items():
-                m = f.get_tensor(f"{name}.m") if kind == "Q4_1" else None
+                m = f.get_tensor(f"{name}.m") if f"{name}.m" in stored else None  # the kinds with offsets
                 layers[name] = BlockPanels(kind, f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.d"), m, n, k)
             return _Packed(layers, json.loads(meta.get("left", "{}")))
     except (SafetensorError, OSError, KeyError, ValueError):

@@ -436,9 +436,9 @@ def load_target(
 
 
 def gguf_blocks_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a GGUF target keeps its linear layers in their blocks (gguf_target.py): opt-in with
-    BLOCKDRAFT_GGUF_BLOCKS=1 until the block kernel is measured faster than the fp32 one (issue 50),
-    on the CPU in fp32 where the few-row kernel runs."""
+    """Whether a GGUF target keeps its linear layers in their blocks (gguf_target.py), on the CPU in
+    fp32 where the few-row kernel runs: opt-in with BLOCKDRAFT_GGUF_BLOCKS=1 until the `hf` baseline
+    and training keep an fp32 copy of their own (issue 50)."""
     from . import few_rows
 
     return os.environ.get("BLOCKDRAFT_GGUF_BLOCKS", "0") == "1" and few_rows.runs_on(device, dtype)

@@ -97,6 +97,7 @@ struct Blocks {
     struct Scale { __m256 d, m; };
     static constexpr bool EIGHT_BIT = KIND == Q8_0 || KIND == Q6_K;  // int8 codes, no offset
     static constexpr bool FP32_SCALES = KIND == Q4_K || KIND == Q6_K;
+    static constexpr bool OFFSET = KIND == Q4_1 || KIND == Q4_K;  // m stored (Q4_0's is derived from d)
     static constexpr int64_t SPAN = KIND == Q6_K ? 16 : 32;
     static constexpr int64_t CODE_BYTES = EIGHT_BIT ? NR : NR / 2;  // per panel and k
     const uint8_t* codes;
@@ -112,7 +113,7 @@ struct Blocks {
     inline Scale scale(int p, int64_t k0, int h) const {
         const int64_t s = p * scale_stride + (k0 / SPAN) * NR + 8 * h;
         const __m256 d8 = load_scale(d, s);
-        if constexpr (KIND == Q4_1 || KIND == Q4_K) return {d8, load_scale(m, s)};
+        if constexpr (OFFSET) return {d8, load_scale(m, s)};
         if constexpr (KIND == Q4_0) return {d8, _mm256_mul_ps(d8, _mm256_set1_ps(-8.f))};  // exact
         return {d8, _mm256_setzero_ps()};
     }
@@ -255,35 +256,35 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 // kinds) or [P, K, 16] int8 (Q8_0, Q6_K), d and m [P, K / SPAN, 16], fp16 (Q4_0, Q4_1, Q8_0) or fp32
 // (the K-quants), m only for Q4_1 and Q4_K (else empty) -> y [M, N] fp32, each output summed as
 // `linear` sums it: bitwise what `linear` gives on the dequantized weight.
+template <int KIND>
+void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
+               torch::Tensor& y) {
+    using B = Blocks<KIND>;
+    const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = y.size(1);
+    TORCH_CHECK(codes.dim() == 3 && codes.size(1) == K && codes.size(2) == B::CODE_BYTES && codes.is_contiguous() &&
+                codes.element_size() == 1 && K % 32 == 0, "block_linear: codes packed for this input width");
+    TORCH_CHECK(d.scalar_type() == (B::FP32_SCALES ? torch::kFloat32 : torch::kHalf) && d.is_contiguous() &&
+                d.numel() == P * (K / B::SPAN) * NR, "block_linear: d [P, K / span, 16] of the kind's scale type");
+    TORCH_CHECK(!B::OFFSET || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
+                "block_linear: Q4_1 and Q4_K need m shaped as d");
+    TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
+    const B blocks{reinterpret_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr(), B::OFFSET ? m.data_ptr() : nullptr,
+                   K * B::CODE_BYTES, K / B::SPAN * NR};
+    run(x.data_ptr<float>(), M, K, blocks, P, y.data_ptr<float>(), N);
+}
+
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N,
                            int64_t kind) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_linear: 2-D float32 rows");
-    TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K, "block_linear: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
-    const bool eight = kind == Q8_0 || kind == Q6_K, fp32 = kind == Q4_K || kind == Q6_K;
-    const int64_t K = x.size(1), P = codes.size(0), bytes = eight ? NR : NR / 2, span = kind == Q6_K ? 16 : 32;
-    TORCH_CHECK(codes.dim() == 3 && codes.size(1) == K && codes.size(2) == bytes && codes.is_contiguous() &&
-                codes.element_size() == 1 && K % 32 == 0, "block_linear: codes packed for this input width");
-    TORCH_CHECK(d.scalar_type() == (fp32 ? torch::kFloat32 : torch::kHalf) && d.is_contiguous() &&
-                d.numel() == P * (K / span) * NR, "block_linear: d [P, K / span, 16] of the kind's scale type");
-    const bool offset = kind == Q4_1 || kind == Q4_K;
-    TORCH_CHECK(!offset || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
-                "block_linear: Q4_1 and Q4_K need m shaped as d");
-    TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
     x = x.contiguous();
-    const int64_t M = x.size(0);
-    auto y = torch::empty({M, N}, x.options());
-    const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-    const void* dp = d.data_ptr();
-    const void* mp = offset ? m.data_ptr() : nullptr;
-    const int64_t cs = K * bytes, ss = K / span * NR;
-    const float* xp = x.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+    auto y = torch::empty({x.size(0), N}, x.options());
     switch (kind) {
-        case Q4_0: run(xp, M, K, Blocks<Q4_0>{c, dp, mp, cs, ss}, P, yp, N); break;
-        case Q4_1: run(xp, M, K, Blocks<Q4_1>{c, dp, mp, cs, ss}, P, yp, N); break;
-        case Q8_0: run(xp, M, K, Blocks<Q8_0>{c, dp, mp, cs, ss}, P, yp, N); break;
-        case Q4_K: run(xp, M, K, Blocks<Q4_K>{c, dp, mp, cs, ss}, P, yp, N); break;
-        default: run(xp, M, K, Blocks<Q6_K>{c, dp, mp, cs, ss}, P, yp, N); break;
+        case Q4_0: block_run<Q4_0>(x, codes, d, m, y); break;
+        case Q4_1: block_run<Q4_1>(x, codes, d, m, y); break;
+        case Q8_0: block_run<Q8_0>(x, codes, d, m, y); break;
+        case Q4_K: block_run<Q4_K>(x, codes, d, m, y); break;
+        case Q6_K: block_run<Q6_K>(x, codes, d, m, y); break;
+        default: TORCH_CHECK(false, "block_linear: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
     }
     return y;
 }
