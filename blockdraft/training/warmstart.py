@@ -17,7 +17,7 @@ def init_from_target(draft: DraftModel, target) -> list[str]:
     already turn deep hidden states into next-token predictions. q_norm/k_norm stay at 1. Only
     weights with a counterpart of the same shape are copied (a MoE block, an MLA or linear-attention
     mixer has none, and stays as initialised); returns the names copied."""
-    base = target.model.base_model
+    base = target.reference_model().base_model  # transformers' own layers (not blocks, not fused)
     layers = base.layers
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
