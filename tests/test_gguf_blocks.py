@@ -104,6 +104,8 @@ def test_smollm2_in_its_gguf_blocks_decodes_exactly_as_its_fp32_weights(monkeypa
     draft = load_draft(bundled_drafter("smollm2-135m"))
     tree = GenerationConfig(max_new_tokens=40, tree_budget=16, lookup=True)
     assert Engine(blocks, draft).generate(ids, tree).token_ids == plain
+    # the drafter's copy of a block head (its vocabulary subset, int8 rows) is made once, not each step
+    assert draft.head_for(blocks.lm_head) is draft.head_for(blocks.lm_head)
     with torch.inference_mode():
         hf = blocks.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=[2],
                                    pad_token_id=2)[0, len(ids):].tolist()

@@ -149,7 +149,7 @@ class LlamaCppPeer:
                         "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "-fa", "on"]
                 if n_draft:
                     argv += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash",
-                             "--spec-draft-n-max", str(n_draft), "-cd", str(ctx_size)]
+                             "--spec-draft-n-max", str(n_draft)]
                 path = log.with_name(f"{log.stem}-{i}{log.suffix}")
                 with open(path, "w") as f:
                     f.write(" ".join(argv) + "\n")

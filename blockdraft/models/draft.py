@@ -238,13 +238,17 @@ class DraftModel(nn.Module):
         """The head the draft scores with: the target's `lm_head` itself, or a copy of its rows
         of the draft vocabulary subset and/or in the draft's dtype or weight storage (a
         `SubsetHead`, made once per target head, dtype and storage)."""
-        weight = lm_head.weight
-        if self.vocab_ids is None and weight.dtype == self.dtype and self.weight_storage is None:
+        # a head over GGUF blocks (gguf_target.BlockLinear) makes its fp32 weight on each access:
+        # its blocks, which do not change, say whether the copy made before still holds
+        blocks = getattr(lm_head, "panels", None)
+        dtype = torch.float32 if blocks is not None else lm_head.weight.dtype
+        if self.vocab_ids is None and dtype == self.dtype and self.weight_storage is None:
             return lm_head
-        key = (weight, self.dtype, self.vocab_ids, self.weight_storage)
+        key = (blocks if blocks is not None else lm_head.weight, self.dtype, self.vocab_ids, self.weight_storage)
         if self._subset_head is None or any(a is not b for a, b in zip(self._subset_head[0], key)):
             from .kernels import prepack
 
+            weight = lm_head.weight
             ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(weight.shape[0])
             head = SubsetHead(weight.detach().to(self.dtype), ids)
             prepack(head, self.weight_storage)
