@@ -181,3 +181,20 @@ def test_any_gguf_file_is_a_target_in_its_blocks(tmp_path, monkeypatch):
     assert not any(isinstance(m, BlockLinear) for m in load_target(str(path), device="cpu").model.modules())
     with pytest.raises(BlockdraftError, match="no such GGUF file"):
         load_target(str(tmp_path / "missing.gguf"))
+
+
+def test_a_gradient_flows_through_a_block_layer_as_through_its_fp32_weight():
+    """Training a drafter backpropagates through the target's head, a BlockLinear on the CPU: the
+    kernel has no backward, so such a call takes the dequantized weight, and the gradient is the
+    dense layer's."""
+    from blockdraft.models.gguf_target import BlockLinear
+
+    raw, weight = _quantized("Q8_0", 48, 64)
+    layer = BlockLinear(pack_blocks(raw, "Q8_0", 48, 64), None)
+    x = torch.randn(5, 64, requires_grad=True)
+    layer(x).square().sum().backward()
+    y = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(y, weight).square().sum().backward()
+    assert torch.allclose(x.grad, y.grad)
+    with torch.no_grad():  # and without one, the kernel
+        assert torch.equal(layer(x), block_linear(x.detach(), layer.panels))

@@ -134,7 +134,8 @@ def _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, py
 
 def add_parsers(sub) -> None:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
-    g.add_argument("--target", default="smollm2-135m", help="smollm2-135m or a local HF model directory")
+    g.add_argument("--target", default="smollm2-135m",
+                   help="smollm2-135m (the bundled GGUF), a GGUF file, or a local HF model directory")
     g.add_argument("--draft", default=None, help="drafter directory, or 'none' for plain decoding "
                    "(default: the bundled drafter when one exists)")
     g.add_argument("--prompt")

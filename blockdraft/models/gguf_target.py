@@ -33,7 +33,8 @@ CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the load
 class BlockLinear(nn.Module):
     """A linear layer computed from GGUF blocks (fp32 in, fp32 out). Calls of more rows than the
     few-row kernel's limit run it in chunks (same sums, so a prompt's rows equal decode rows);
-    within `kernels.use_packed(False)` it runs transformers' way, on the dequantized weight."""
+    within `kernels.use_packed(False)`, and where a gradient must flow through it, it runs
+    transformers' way, on the dequantized weight."""
 
     def __init__(self, panels: BlockPanels, bias: torch.Tensor | None):
         super().__init__()
@@ -48,7 +49,10 @@ class BlockLinear(nn.Module):
         return dequantize(self.panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        # the kernel has no backward: a gradient through the layer (training a drafter against the
+        # target's head) takes transformers' way, on the same fp32 weight
+        if not _packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or (x.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, self.weight.to(x), self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         step = few_rows.MAX_ROWS
