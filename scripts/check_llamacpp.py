@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,57 +60,32 @@ class Completion:
     accepted_per_step: list[int] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
-    """llama-server on a free local port, started on entry and killed on exit; its log in a file."""
+    """llama-server on a free local port (the bench peer's launcher), started on entry and stopped
+    on exit; its log in a file, each verification step's accepted drafts in it (`LLAMA_TRACE`)."""
 
     def __init__(self, binary: Path, target: Path, log: Path, draft: Path | None = None, n_max: int = BLOCK - 1,
                  threads: int = 2, ctx: int = 2048):
-        self.port = free_port()
-        self.log = log
-        self.argv = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(self.port),
-                     "--threads", str(threads), "-c", str(ctx), "-np", "1", "--no-webui",
+        self.binary, self.log = binary, log
+        self.args = ["-m", str(target), "--threads", str(threads), "-c", str(ctx), "-np", "1", "--no-webui",
                      # threads sleep rather than spin while they wait: on shared cores a spinning
                      # thread whose partner lost its core stalls every op (a token took 1.4 s here)
                      "--poll", "0"]
         if draft is not None:
-            self.argv += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max)]
-        self.proc: subprocess.Popen | None = None
+            self.args += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max)]
+        self.server = None
 
     def __enter__(self) -> "LlamaServer":
-        env = {**os.environ, "LLAMA_TRACE": "1"}  # each verification step's accepted drafts, in the log
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} before serving:\n"
-                                   + self.log.read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError("llama-server did not become healthy within 5 minutes:\n"
-                                   + self.log.read_text()[-3000:])
-            time.sleep(0.5)
+        from blockdraft.evaluation.peer_llamacpp import LlamaServer as Launcher
+
+        env = {**os.environ, "LLAMA_TRACE": "1"}
+        self.server = Launcher.launch(self.binary, self.args, self.log, self.log.stem, env)
+        self.port = self.server.port
+        return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.server is not None:
+            self.server.close()
 
     def complete(self, prompt_ids: list[int], n_predict: int) -> Completion:
         """A greedy /completion of the token ids; with a drafter, the steps the log records for it."""

@@ -47,7 +47,8 @@ def test_llamacpp_rows_join_the_bench_on_the_bundled_gguf(tmp_path):
     """llama.cpp's plain decoding and its draft-dflash with our exported drafter, on the bundled
     GGUF, in the same table as ours: their figures come from llama.cpp's own timings, and how far
     their text agrees with ours is reported (its kernels differ from ours, so it is not called a
-    mismatch); its DFlash text equals its own plain text (speculation in llama.cpp is exact too)."""
+    mismatch; on the Q4_1 file its speculative text is not even always its own plain text, its
+    batched kernels rounding otherwise: 11 against 9 of HumanEval-40's texts equal ours)."""
     from blockdraft.cli import bundled_drafter
     from blockdraft.evaluation.peer_llamacpp import drafter_gguf_for_bench
     from blockdraft.models.checkpoint import load_draft
@@ -73,5 +74,4 @@ def test_llamacpp_rows_join_the_bench_on_the_bundled_gguf(tmp_path):
     assert m["llamacpp-dflash:4"]["tau"] > 1.0  # it accepted some of our drafter's tokens
     assert {"identical", "mean_common_prefix"} <= m["llamacpp"]["agreement"].keys()
     assert not report["mismatches"]  # llama.cpp's rows are compared by agreement, not as mismatches
-    assert m["llamacpp-dflash:4"]["agreement"] == m["llamacpp"]["agreement"]
     assert "same text as ar on" in bench.format_table(report)

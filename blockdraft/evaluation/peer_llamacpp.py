@@ -67,20 +67,39 @@ def draft_tokens(name: str, block_size: int | None, drafter_block: int) -> int:
     return b - 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 @dataclass
-class _Server:
-    """One llama-server process: one method."""
+class LlamaServer:
+    """One llama-server process on a free loopback port (here: one method), its output in `log`."""
 
     method: str
     proc: subprocess.Popen
     port: int
     log: Path
+
+    @classmethod
+    def launch(cls, binary: str | Path, args: list[str], log: Path, method: str,
+               env: dict | None = None) -> "LlamaServer":
+        """Starts `binary args` and waits until it answers /health; a BlockdraftError, with the
+        log's tail, if it exits or does not answer within READY_TIMEOUT_S."""
+        port = free_port()
+        argv = [str(binary), *args, "--host", "127.0.0.1", "--port", str(port)]
+        with open(log, "w") as f:
+            f.write(" ".join(argv) + "\n")
+            f.flush()
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env)
+        server = cls(method, proc, port, Path(log))
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.close()
+            raise
+        return server
 
     def post(self, route: str, body: dict, timeout: float) -> dict:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{route}", json.dumps(body).encode(),
@@ -125,7 +144,7 @@ class _Server:
 class LlamaCppPeer:
     """One llama-server per method (a server holds one draft configuration)."""
 
-    servers: dict[str, _Server]
+    servers: dict[str, LlamaServer]
     configs: dict[str, int]  # method -> drafted tokens a step (0: plain decoding)
 
     @classmethod
@@ -144,19 +163,12 @@ class LlamaCppPeer:
         peer = cls({}, dict(configs))
         try:
             for i, (method, n_draft) in enumerate(configs.items()):
-                port = _free_port()
-                argv = [str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port),
-                        "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "-fa", "on"]
+                args = ["-m", str(target_gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size),
+                        "-np", "1", "-fa", "on"]
                 if n_draft:
-                    argv += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash",
-                             "--spec-draft-n-max", str(n_draft)]
-                path = log.with_name(f"{log.stem}-{i}{log.suffix}")
-                with open(path, "w") as f:
-                    f.write(" ".join(argv) + "\n")
-                    f.flush()
-                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
-                peer.servers[method] = server = _Server(method, proc, port, path)
-                server.wait_ready()
+                    args += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft)]
+                peer.servers[method] = LlamaServer.launch(binary, args, log.with_name(f"{log.stem}-{i}{log.suffix}"),
+                                                          method)
         except BaseException:
             peer.close()
             raise
