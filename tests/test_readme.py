@@ -35,6 +35,8 @@ HEADLINE = {
     "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash,dflash-lookup,ar,hf,hf-pld,vllm,vllm-dflash:4",
     "blockdraft bench-serve --dataset mt-bench --limit 32 --concurrency 1,2,4,8,16 --max-batch 1,16 --max-new-tokens 128",
     "blockdraft tau --dataset humaneval --limit 40 --block-size 16",
+    "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash,dflash-lookup,ar,llamacpp,llamacpp-dflash:4",
+    "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash+tree16,dflash,ar,llamacpp,llamacpp-dflash:4",
 }
 
 
@@ -72,7 +74,8 @@ def test_every_readme_command_is_known_and_parses():
     tour = _tour()
     for verb in ("generate", "tau", "bench", "bench-serve", "data", "train", "export"):
         assert any(c.startswith(f"blockdraft {verb} ") for c in tour), verb
-    assert set(_table_commands()) - {"blockdraft export --format vllm"} <= HEADLINE | {"make check-vllm"}
+    assert set(_table_commands()) - {"blockdraft export --format vllm", "blockdraft export --format gguf"} <= \
+        HEADLINE | {"make check-vllm"}
     assert HEADLINE <= set(_table_commands())
     for cmd in _code_commands() + sorted(HEADLINE):
         argv = shlex.split(cmd)[1:]
