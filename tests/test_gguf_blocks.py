@@ -198,3 +198,17 @@ def test_a_gradient_flows_through_a_block_layer_as_through_its_fp32_weight():
     assert torch.allclose(x.grad, y.grad)
     with torch.no_grad():  # and without one, the kernel
         assert torch.equal(layer(x), block_linear(x.detach(), layer.panels))
+
+
+def test_a_long_prompts_rows_take_the_dequantized_weight_and_short_ones_the_kernel():
+    """Calls of DENSE_ROWS rows or more (a long prompt's prefill) multiply the dequantized weight
+    with oneDNN, as the fp32 target does; fewer rows run the kernel, 64 at a time, each row as alone."""
+    from blockdraft.models.gguf_target import DENSE_ROWS, BlockLinear
+
+    raw, weight = _quantized("Q4_1", 48, 256)
+    layer = BlockLinear(pack_blocks(raw, "Q4_1", 48, 256), None)
+    x = torch.randn(DENSE_ROWS, 256)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+        short = x[: DENSE_ROWS - 1]
+        assert torch.equal(layer(short), torch.cat([block_linear(r[None], layer.panels) for r in short]))

@@ -27,12 +27,18 @@ from . import few_rows
 from .gguf_blocks import BlockPanels, block_linear, dequantize, kind_name, pack_blocks
 from .kernels import _packed_enabled
 
+# calls of this many rows or more (a long prompt's prefill) multiply the dequantized fp32 weight
+# with oneDNN, as the fp32 target does above the few-row kernel's 64 rows: 2,000 prompt tokens took
+# 4.9 s through the block kernel 64 rows at a time, 2.6 s on the fp32 weights
+DENSE_ROWS = 256
 CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the loaded fp32 before it is dropped
 
 
 class BlockLinear(nn.Module):
     """A linear layer computed from GGUF blocks (fp32 in, fp32 out). Calls of more rows than the
-    few-row kernel's limit run it in chunks (same sums, so a prompt's rows equal decode rows);
+    few-row kernel's limit run it in chunks (same sums, so a short prompt's rows equal decode rows),
+    calls of DENSE_ROWS or more (a long prompt) oneDNN on the dequantized weight, as the fp32
+    target's prefill runs;
     within `kernels.use_packed(False)`, and where a gradient must flow through it, it runs
     transformers' way, on the dequantized weight."""
 
@@ -55,6 +61,8 @@ class BlockLinear(nn.Module):
                 or (x.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, self.weight.to(x), self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        if len(rows) >= DENSE_ROWS:  # a long prompt: the weight made once beats re-reading blocks per 64 rows
+            return nn.functional.linear(x, self.weight, self.bias)
         step = few_rows.MAX_ROWS
         y = torch.cat([block_linear(rows[i:i + step], self.panels, self.bias) for i in range(0, len(rows), step)]) \
             if len(rows) > step else block_linear(rows, self.panels, self.bias)
