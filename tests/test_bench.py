@@ -260,7 +260,8 @@ def test_vllm_peer_rows_join_the_table_and_their_outputs_are_checked(tmp_path, m
                           tmp_path / "vllm.log")
     try:
         report = bench.run_bench(target, None, [[1, 2, 3], [4, 5]], ("ar", "vllm", "vllm-dflash:4"),
-                                 max_new_tokens=6, progress=False, profile=False, peer=peer)
+                                 max_new_tokens=6, progress=False, profile=False,
+                                 peer=dict.fromkeys(("vllm", "vllm-dflash:4"), peer))
     finally:
         peer.close()
     assert all(c.proc.poll() is not None for c in peer.children.values())  # closed

@@ -34,12 +34,12 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
         from ..evaluation.replay import default_references_path, reference_continuations
 
         refs = reference_continuations(engine.target, prompts, max_new_tokens, default_references_path(target))
-    peer = {}
+    peer = {}  # method -> the other engine that runs it
     try:
-        for start in (_start_vllm, _start_llamacpp):
-            peer.update(start(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
-                              vllm_python if start is _start_vllm else llamacpp,
-                              vllm_log if start is _start_vllm else llamacpp_log))
+        peer.update(_start_vllm(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
+                                vllm_python, vllm_log))
+        peer.update(_start_llamacpp(chosen, target, draft, engine, prompts, max_new_tokens, block_size, temperature,
+                                    llamacpp, llamacpp_log))
     except BaseException:
         _close(peer)
         raise
@@ -71,13 +71,14 @@ def _start_llamacpp(methods, target: str, draft: str | None, engine, prompts, ma
                     block_size: int | None, temperature: float, build: str | None, log: str) -> dict:
     """The llama.cpp peer for the bench's llamacpp methods (peer_llamacpp.py), as {method: peer}."""
     from ..evaluation.methods import parse_method
-    from ..evaluation.peer_llamacpp import LlamaCppPeer, check_greedy, draft_tokens, server_binary
+    from ..evaluation.methods import check_peer_greedy
+    from ..evaluation.peer_llamacpp import LlamaCppPeer, draft_tokens, server_binary
     from ..models.target import target_gguf_file
 
     specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("llamacpp")}
     if not specs:
         return {}
-    check_greedy(temperature)  # before the servers' start-up
+    check_peer_greedy("llamacpp", temperature)  # before the servers' start-up
     server_binary(build)
     gguf = target_gguf_file(target)
     drafter_block = engine.draft.block_size if engine.draft is not None else 2
@@ -100,13 +101,14 @@ def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_ne
                 block_size: int | None, temperature: float, python: str | None, log: str) -> dict:
     """The vLLM peer for the bench's vllm methods (peer_vllm.py), as {method: peer}."""
     from ..evaluation.methods import parse_method
-    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, check_greedy, speculative_tokens
+    from ..evaluation.methods import check_peer_greedy
+    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, speculative_tokens
     from ..models.target import resolve_target_path
 
     specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("vllm")}
     if not specs:
         return {}
-    check_greedy(temperature)  # before vLLM's start-up, not a minute after it
+    check_peer_greedy("vllm", temperature)  # before vLLM's start-up, not a minute after it
     drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
     drafter_block = engine.draft.block_size if engine.draft is not None else 2
     configs = {m: speculative_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}

@@ -32,7 +32,7 @@ from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
 from ..models.kernels import packed_kernel, use_packed
 from ..decoding.oracle import OracleDraft
-from .methods import EXACT_PEERS, PEER_NAMES, check_methods, parse_method, peer_of
+from .methods import EXACT_PEERS, PEER_NAMES, check_methods, check_peer_greedy, parse_method, peer_of
 from .results import MethodResult
 from ..decoding.verify import SamplingParams
 
@@ -159,8 +159,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
     prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
     `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
-    "before" of the fast forward; hf methods always run those. `peer`: a started
-    peer_vllm.VllmPeer for the vllm methods. `journal`: a file where each prompt's figures are
+    "before" of the fast forward; hf methods always run those. `peer`: {method: a started
+    peer_vllm.VllmPeer or peer_llamacpp.LlamaCppPeer} for the other engines' methods. `journal`: a file where each prompt's figures are
     appended as it ends; the prompts it already holds (from an interrupted run of the same
     configuration) are not run again (journal.py). `journal_tags`: what else names the
     configuration there (the target and drafter the caller loaded, the dataset)."""
@@ -177,13 +177,12 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                        tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
         raise BlockdraftError("methods dflash and oracle need a drafter (--draft PATH, or a bundled one)")
-    for engine_name in {peer_of(specs[m].name) for m in methods} - {None}:
-        if temperature != 0:
-            raise BlockdraftError(f"the {engine_name} methods run greedy only (--temperature 0): "
-                                  f"{PEER_NAMES[engine_name]} samples other random numbers")
-        if peer is None or isinstance(peer, dict) and not all(m in peer for m in methods if peer_of(specs[m].name)):
-            raise BlockdraftError(f"the {engine_name} methods need a started {PEER_NAMES[engine_name]} peer "
-                                  "(`blockdraft bench` starts one)")
+    for m in methods:
+        if engine_name := peer_of(specs[m].name):
+            check_peer_greedy(engine_name, temperature)
+            if m not in (peer or {}):
+                raise BlockdraftError(f"the {engine_name} methods need a started {PEER_NAMES[engine_name]} peer "
+                                      "(`blockdraft bench` starts one)")
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
@@ -219,7 +218,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         if peer_of(name):
             from .peer_vllm import run_peer
 
-            return run_peer(peer[method] if isinstance(peer, dict) else peer, method, ids, cfg.max_new_tokens, res)
+            return run_peer(peer[method], method, ids, cfg.max_new_tokens, res)
         if name == "oracle":
             key = tuple(ids)
             if key not in truth:  # computed beforehand, outside the timing

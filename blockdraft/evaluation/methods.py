@@ -92,3 +92,10 @@ def check_methods(methods) -> tuple[str, ...]:
 def peer_of(name: str) -> str | None:
     """Which other engine runs a method (`vllm`, `llamacpp`), or None for ours and transformers'."""
     return next((p for p in PEERS if name == p or name.startswith(p + "-")), None)
+
+
+def check_peer_greedy(peer: str, temperature: float) -> None:
+    """Other engines' methods run greedy only: they draw other random numbers than ours."""
+    if temperature != 0:
+        raise BlockdraftError(f"the {peer} methods run greedy only (--temperature 0): {PEER_NAMES[peer]} "
+                              "samples other random numbers")

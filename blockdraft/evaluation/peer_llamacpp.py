@@ -50,12 +50,6 @@ def server_binary(build: str | Path | None) -> Path:
     return binary
 
 
-def check_greedy(temperature: float) -> None:
-    if temperature != 0:
-        raise BlockdraftError("the llamacpp methods run greedy only (--temperature 0): llama.cpp samples "
-                              "other random numbers")
-
-
 def draft_tokens(name: str, block_size: int | None, drafter_block: int) -> int:
     """llama.cpp's `--spec-draft-n-max` for one method: 0 for plain decoding, else block - 1
     (a block holds the last verified token and the drafted ones, as ours does)."""

@@ -26,11 +26,6 @@ READY_TIMEOUT_S = 900  # building a few LLMs on 2 cores takes one or two minutes
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")  # where `make vllm-env` builds it
 
 
-def check_greedy(temperature: float) -> None:
-    if temperature != 0:
-        raise BlockdraftError("the vllm methods run greedy only (--temperature 0): vLLM samples other random numbers")
-
-
 def speculative_tokens(name: str, block_size: int | None, drafter_block: int) -> int:
     """vLLM's `num_speculative_tokens` for one method: 0 for plain decoding, else block - 1."""
     if name == "vllm":

@@ -15,7 +15,9 @@ as it is.
 from __future__ import annotations
 
 import torch
+import transformers.models.llama.modeling_llama as _llama  # the forward BlockAttention repeats
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .gguf_blocks import BlockPanels
 from .gguf_target import BlockLinear
@@ -54,9 +56,6 @@ class BlockAttention(nn.Module):
         self.splits = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
-
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = self.qkv(hidden_states).split(self.splits, dim=-1)  # [B, T, Hq*D], [B, T, Hk*D] x 2
@@ -64,10 +63,11 @@ class BlockAttention(nn.Module):
         k = k.reshape(hidden_shape).transpose(1, 2)  # [B, Hk, T, D]
         v = v.reshape(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = _llama.apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          _llama.eager_attention_forward)
         out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
