@@ -2,6 +2,8 @@
 to exactly the `gguf` package's fp32 weights, a layer's output is bitwise the fp32 kernel's on
 those weights, and a row's output is the same at every row count (issue 50)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -53,6 +55,24 @@ def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantizatio
     for rows in (1, 2, 3, 5, 7, 16, 17, 33):  # a row's result does not depend on the rows beside it
         assert torch.equal(block_linear(x[:rows], panels), got[:rows])
     assert torch.equal(block_linear(x[40:41], panels), got[40:41])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_avx512_kernel_computes_bitwise_what_the_avx2_one_does(kind):
+    """csrc/blocks512.cpp, where the CPU has AVX-512: every row count up to 64 (its tiles of 1 to 8
+    rows and 1, 2 or 4 panels), a width not a multiple of 16 (a masked store)."""
+    ext = few_rows._load()
+    if not ext.set_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    raw, _ = _quantized(kind, 200, 768)
+    panels = pack_blocks(raw, kind, 200, 768)
+    x = torch.randn(64, 768)
+    try:
+        fast = [block_linear(x[:rows], panels) for rows in range(1, 65)]
+        ext.set_avx512(False)
+        assert all(torch.equal(got, block_linear(x[:rows], panels)) for rows, got in enumerate(fast, 1))
+    finally:
+        ext.set_avx512(os.environ.get("BLOCKDRAFT_AVX512", "1") != "0")
 
 
 def test_a_weight_streams_at_most_a_third_of_its_fp32_bytes():

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SPARE_SLOTS = 64  # room a layer's buffer keeps beyond its slots when it grows (at least; or half again)
+from ..models.cache import kv_room
+
 COMPACT_AT = 0.25  # compact the rows once that would cut this fraction of the slots
 
 
@@ -211,26 +212,11 @@ def _gather_slots(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def _append_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
     """A plain attention cache layer's `update` (transformers' `DynamicLayer`, whose own update
     concatenates): the new K/V [B, H, T, D] are written into the room after the layer's slots in
-    a buffer [B, H, capacity, D], and the layer's keys/values become the buffer's first slots
-    (views). Whatever replaced keys/values since (a join, a leave) is copied into a new buffer
-    once. Cutting slots off the end (views again) and compacting (in place) keep the buffer."""
-    if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
-    old_k, old_v = layer.keys, layer.values
-    n, t = (old_k.shape[2] if old_k.dim() == 4 else 0), keys.shape[2]
-    buf = layer.__dict__.get("buffer")
-    fits = buf is not None and n > 0 and old_k.data_ptr() == buf[0].data_ptr() \
-        and old_v.data_ptr() == buf[1].data_ptr() and old_k.stride() == buf[0].stride() \
-        and old_k.shape[:2] == buf[0].shape[:2] and n + t <= buf[0].shape[2]
-    if not fits:
-        b, h, _, d = keys.shape
-        room = n + t + max(SPARE_SLOTS, (n + t) // 2)
-        buf = (keys.new_empty(b, h, room, d), values.new_empty(b, h, room, values.shape[3]))  # [B, H, capacity, D]
-        if n:
-            buf[0][:, :, :n], buf[1][:, :, :n] = old_k, old_v
-        layer.buffer = buf
-    buf[0][:, :, n:n + t], buf[1][:, :, n:n + t] = keys, values
-    layer.keys, layer.values = buf[0][:, :, :n + t], buf[1][:, :, :n + t]
+    its buffer (`cache.kv_room`), and the layer's keys/values become the buffer's first slots."""
+    b, h, t, dk = keys.shape
+    kbuf, vbuf, n = kv_room(layer, b, h, t, dk, values.shape[3], keys)
+    kbuf[:, :, n:n + t], vbuf[:, :, n:n + t] = keys, values
+    layer.keys, layer.values = kbuf[:, :, :n + t], vbuf[:, :, :n + t]
     return layer.keys, layer.values
 
 

@@ -165,6 +165,35 @@ def crop(cache, length: int) -> None:
             layer.crop(-remove)  # negative: remove that many (0 trims a sliding layer to its window)
 
 
+SPARE_SLOTS = 64  # room a K/V buffer keeps beyond its entries when it grows (at least; or half again)
+
+
+def kv_room(layer, batch: int, heads: int, t: int, dk: int, dv: int,
+            like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A plain attention layer's K/V buffers [B, H, capacity, Dk / Dv] (of `like`'s dtype and
+    device) with room for t entries after its n entries, and n. transformers' layer concatenates on every update,
+    copying the whole cache of every layer at every step; a buffer is written in place, the
+    layer's keys/values being views of its first slots. Whatever replaced keys/values since (a
+    join or leave of the slot cache, a batch reorder) is copied into a new buffer once; cutting
+    entries off the end (views again) and compacting in place keep the buffer."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(like, like)
+    old_k, old_v = layer.keys, layer.values
+    n = old_k.shape[2] if old_k.dim() == 4 else 0
+    buf = layer.__dict__.get("buffer")
+    fits = buf is not None and n > 0 and old_k.data_ptr() == buf[0].data_ptr() \
+        and old_v.data_ptr() == buf[1].data_ptr() and old_k.stride() == buf[0].stride() \
+        and old_v.stride() == buf[1].stride() and tuple(buf[0].shape[:2]) == (batch, heads) \
+        and n + t <= buf[0].shape[2]
+    if not fits:
+        room = n + t + max(SPARE_SLOTS, (n + t) // 2)
+        buf = (like.new_empty(batch, heads, room, dk), like.new_empty(batch, heads, room, dv))  # [B, H, capacity, D]
+        if n:
+            buf[0][:, :, :n], buf[1][:, :, :n] = old_k, old_v
+        layer.buffer = buf
+    return buf[0], buf[1], n
+
+
 def tree_capable(kv) -> bool:
     """Whether every layer is plain attention K/V (what `keep_positions` can compact)."""
     from transformers.cache_utils import DynamicLayer

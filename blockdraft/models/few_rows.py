@@ -47,7 +47,7 @@ from .cpu import cpu_flags
 NAME = "blockdraft_few_rows"
 NR = 16  # output features per panel (csrc/few_rows.cpp)
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
-SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows.cpp", "rope_cache.cpp", "blocks512.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
 
 _ext = None
@@ -78,8 +78,10 @@ def _load():
         build = Path(cpp_extension._get_build_directory(NAME, verbose=False))
         if not any(build.glob(f"{NAME}*.so")):
             print("blockdraft: compiling the few-row linear kernel (once, about 30 s)", file=sys.stderr, flush=True)
-        ext = cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        ext = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         _ext = ext if ext.supported() else None
+        if _ext is not None:
+            _ext.set_avx512(os.environ.get("BLOCKDRAFT_AVX512", "1") != "0")
     except Exception as err:  # no compiler, no ninja, a failed build: the other kernels still run
         warnings.warn(f"blockdraft: the few-row linear kernel is unavailable ({type(err).__name__}: "
                       f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using oneDNN's")
@@ -193,3 +195,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     sums: its output equals the same query decoded alone against those keys (csrc/few_rows.cpp)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _load().attention(q, k, v, _NONE if mask is None else mask, float(scale))
+
+
+def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                sin: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int) -> torch.Tensor:
+    """A layer's rotary embedding and cache append in one pass (csrc/rope_cache.cpp): fp32 q, k, v
+    [B, T, H * D] (rows contiguous), cos/sin [1 or B, T, D]; rope(k) and v go into the buffers
+    [B, Hk, capacity, D] at slots n .. n + T - 1; returns rope(q) [B, Hq, T, D], bitwise transformers'
+    `apply_rotary_pos_emb`."""
+    return _load().rope_append(q, k, v, head_dim, cos, sin, kbuf, vbuf, n)

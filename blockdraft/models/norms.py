@@ -36,11 +36,16 @@ class _FusedNorm:
         return few_rows.rms_norm(x, self.module.weight.detach(), self.eps)
 
 
+def is_fused(norm: nn.Module) -> bool:
+    """Whether `fuse_norms` gave this module the fused forward (and `unfuse_norms` has not taken it)."""
+    return isinstance(norm.__dict__.get("forward"), _FusedNorm)
+
+
 def runs_fused(norm: nn.Module, x: torch.Tensor) -> bool:
     """Whether `norm`, given `x`, runs the fused kernel: it was fused (`fuse_norms`), and this call is
     fp32 on the CPU, not being trained, outside `use_packed(False)`."""
     w = norm.weight
-    return isinstance(norm.__dict__.get("forward"), _FusedNorm) and _packed_enabled() and x.dtype == torch.float32 \
+    return is_fused(norm) and _packed_enabled() and x.dtype == torch.float32 \
         and w.dtype == torch.float32 and x.device.type == "cpu" \
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 

@@ -25,6 +25,7 @@ from .cache import TargetCache, check_rollback, crop, keep_positions, probe_roll
 from ..errors import BlockdraftError
 from .kernels import SHARED_KV_ATTENTION, prepack, share_kv_heads
 from .rope import call_dependent_limit
+from .llama_step import LlamaStep, matches_model
 from .norms import fuse_norms
 from .gguf_source import (SMOLLM2_ALIAS, SMOLLM2_ARCHITECTURES, SMOLLM2_GGUF, cache_dir, gguf_blocks_wanted,  # noqa: F401
                           gguf_source, resolve_target_path, smollm2_gguf_dir, target_gguf_file)
@@ -123,6 +124,11 @@ class Target:
             prepack(self.model)  # (kernels.py, norms.py)
             fuse_norms(self.model)
             share_kv_heads(self.model)
+        # a decode step's forward without transformers' modules (llama_step.py), where it computes
+        # bitwise what they compute
+        self.step = LlamaStep.build(self.model) if packed else None
+        if self.step is not None and not matches_model(self.step, self.model):
+            self.step = None
         # Trees and slot batches pass a boolean 4D mask: SDPA applies it, eager attention adds it to
         # the scores (so it gets 0 / -inf instead, `_mask`), any other implementation may do
         # either or ignore it: those targets verify chains, one sequence at a time.
@@ -312,6 +318,11 @@ class Target:
                         position_ids=start + torch.tensor([tree.depths], device=ids.device))
         if slot_positions is not None:
             args.update(position_ids=slot_positions, attention_mask=self._mask(slot_mask))
+        mask = args.get("attention_mask")
+        if self.step is not None and not pending and self.head_splits and self.step.runs(cache.kv, ids.numel(), mask):
+            got = self.step.forward(ids, cache.kv, args["position_ids"], mask, tap_layer_ids or (), keep)
+            taps = torch.cat([got.layers[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
+            return TargetOutput(hidden=got.hidden, taps=taps, head=self.lm_head)
         if self.head_splits:
             out = self.model.base_model(**args)
             hidden, logits = out.last_hidden_state[:, out.last_hidden_state.shape[1] - keep:], None

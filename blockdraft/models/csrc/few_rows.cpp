@@ -256,6 +256,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 // kinds) or [P, K, 16] int8 (Q8_0, Q6_K), d and m [P, K / SPAN, 16], fp16 (Q4_0, Q4_1, Q8_0) or fp32
 // (the K-quants), m only for Q4_1 and Q4_K (else empty) -> y [M, N] fp32, each output summed as
 // `linear` sums it: bitwise what `linear` gives on the dequantized weight.
+// blocks512.cpp: the same kernel with AVX-512 (bitwise the same outputs), where the CPU has it
+bool avx512_usable();
+void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* d,
+                  const void* m, int64_t code_stride, int64_t scale_stride, int64_t P, float* y, int64_t N);
+bool g_avx512 = avx512_usable();
+
+// Whether `block_linear` runs the AVX-512 kernel (on = where the CPU has it); returns the setting.
+bool set_avx512(bool on) {
+    g_avx512 = on && avx512_usable();
+    return g_avx512;
+}
+
 template <int KIND>
 void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
                torch::Tensor& y) {
@@ -270,7 +282,11 @@ void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
     const B blocks{reinterpret_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr(), B::OFFSET ? m.data_ptr() : nullptr,
                    K * B::CODE_BYTES, K / B::SPAN * NR};
-    run(x.data_ptr<float>(), M, K, blocks, P, y.data_ptr<float>(), N);
+    if (g_avx512)
+        block_run512(KIND, x.data_ptr<float>(), M, K, blocks.codes, blocks.d, blocks.m, blocks.code_stride,
+                     blocks.scale_stride, P, y.data_ptr<float>(), N);
+    else
+        run(x.data_ptr<float>(), M, K, blocks, P, y.data_ptr<float>(), N);
 }
 
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N,
@@ -529,8 +545,14 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
     return out;
 }
 
+// rope_cache.cpp (compiled without fused multiply-adds)
+torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t D, torch::Tensor cos,
+                          torch::Tensor sin, torch::Tensor kbuf, torch::Tensor vbuf, int64_t n);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention", &attention);
+    m.def("rope_append", &rope_append);
+    m.def("set_avx512", &set_avx512);
     m.def("norm_rope", &norm_rope);
     m.def("rms_norm", &rms_norm);
     m.def("supported", &supported);
