@@ -8,6 +8,8 @@ alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (d
     python scripts/forward_cost.py --draft        # the bundled drafter's forward and head, by block and setup
     python scripts/forward_cost.py --attention    # the target forward, few-row attention against SDPA
     python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
+    python scripts/forward_cost.py --blocks       # the GGUF target's block kernel calls, AVX-512 against AVX2
+    python scripts/forward_cost.py --step         # the target forward, llama_step.py against transformers' modules
 """
 
 import argparse
@@ -97,6 +99,47 @@ def kernels_compared(target, tokens: list[int]) -> None:
     """The target forward on the few-row kernel against oneDNN's packed one (alternating, lowest of three)."""
     best = alternating({"oneDNN packed": lambda: use_few_rows(target, False),
                         "few-row kernel": lambda: use_few_rows(target, True)}, lambda: forward_ms(target, tokens), 3)
+    print_rows(best, tokens)
+
+
+def blocks_compared(target, tokens: list[int]) -> None:
+    """The GGUF target's block kernel calls alone, in the forward's order (the body's layers, then
+    the head), on csrc/blocks512.cpp against the AVX2 kernel (alternating, lowest of three)."""
+    from blockdraft.models.gguf_blocks import block_linear
+    from blockdraft.models.gguf_target import BlockLinear
+
+    ext = few_rows._load()
+    if not ext.set_avx512(True):
+        raise SystemExit("this CPU has no AVX-512")
+    head = target.lm_head
+    body = [m for m in target.model.modules() if isinstance(m, BlockLinear) and m is not head]
+
+    def measure(layers):
+        out = {}
+        with torch.inference_mode():
+            for rows in tokens:
+                x = {n: torch.randn(rows, n) for n in {l.in_features for l in layers}}
+                calls = lambda: [block_linear(x[l.in_features], l.panels) for l in layers]  # noqa: E731
+                calls()
+                out[rows] = 1e3 * timed(calls, torch.device("cpu"), 15)
+        return out
+
+    setups = {"AVX-512": lambda: ext.set_avx512(True), "AVX2": lambda: ext.set_avx512(False)}
+    print_rows(alternating(setups, lambda: measure(body), 3), tokens, f"body ({len(body)} calls), rows")
+    print_rows(alternating(setups, lambda: measure([head]), 3), tokens, f"head ({head.panels.kind}), rows")
+
+
+def step_compared(target, tokens: list[int]) -> None:
+    """The target forward through llama_step.py against transformers' modules (alternating)."""
+    step = target.step
+    if step is None:
+        raise SystemExit("this target takes transformers' modules only (llama_step.py does not apply)")
+
+    def use(s):
+        target.step = s
+
+    best = alternating({"transformers' modules": lambda: use(None), "llama_step": lambda: use(step)},
+                       lambda: forward_ms(target, tokens), 3)
     print_rows(best, tokens)
 
 
@@ -262,6 +305,8 @@ def main() -> None:
                         help="the drafter's linear layers and head by rows, cold: panels against oneDNN's bf16")
     parser.add_argument("--cold", action="store_true",
                         help="with --draft: evict the CPU's caches before each call, as in a decode step")
+    parser.add_argument("--blocks", action="store_true", help="the GGUF block kernel's calls, AVX-512 against AVX2")
+    parser.add_argument("--step", action="store_true", help="the forward, llama_step.py against transformers' modules")
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN's few-row kernel choice measured streamed against in the cache")
     args = parser.parse_args()
@@ -271,6 +316,10 @@ def main() -> None:
     target = load_target("smollm2-135m")
     if args.small_rows:
         return small_rows_compared(target, tokens)
+    if args.blocks:
+        return blocks_compared(target, tokens)
+    if args.step:
+        return step_compared(target, tokens)
     if args.norms:
         return norms_compared(target, tokens)
     if args.draft_linear:

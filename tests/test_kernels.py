@@ -1,5 +1,7 @@
 """The fast forward: prepacked linear layers (kernels.py) and the lazily applied LM head."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,25 @@ def test_few_rows_kernel_is_exact_and_bitwise_independent_of_the_row_count(n_in,
     for m in (*range(1, 14), 16, 17, 24, 32, 40):
         assert torch.equal(few_rows.linear(x[:m], panels, n_out, b), alone[:m]), m
     assert few_rows.linear(x[:6].view(2, 3, n_in), panels, n_out).shape == (2, 3, n_out)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("storage", [None, torch.bfloat16, torch.int8])
+def test_the_avx512_panel_kernel_computes_bitwise_what_the_avx2_one_does(storage):
+    """csrc/blocks512.cpp's fp32, bf16 and int8 panels (a drafter's; int8 with its scales), where
+    the CPU has AVX-512: every row count up to 40, widths that fill no whole panel."""
+    ext = few_rows._load()
+    if not ext.set_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    torch.manual_seed(1)
+    w, x = torch.randn(200, 96), torch.randn(40, 96)
+    panels = few_rows.pack(w, storage)
+    try:
+        fast = [few_rows.linear(x[:m], panels, 200) for m in range(1, 41)]
+        ext.set_avx512(False)
+        assert all(torch.equal(got, few_rows.linear(x[:m], panels, 200)) for m, got in enumerate(fast, 1))
+    finally:
+        ext.set_avx512(os.environ.get("BLOCKDRAFT_AVX512", "1") != "0")
 
 
 @needs_few_rows

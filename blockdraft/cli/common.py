@@ -59,10 +59,11 @@ def parse_dtype(name: str, choices: tuple = DTYPES):
 
 
 def load_engine(target: str, draft: str | None, device: str | None = None, dtype: str = "auto",
-                draft_dtype: str = "auto"):
+                draft_dtype: str = "auto", activations: str = "float32"):
     """The target plus the drafter: a path, 'none', or None for the bundled one (if any).
     dtype: the target's ('auto': fp32 on the CPU, bf16 on CUDA); draft_dtype: the drafter's
-    ('auto': `fast_draft_dtype`)."""
+    ('auto': `fast_draft_dtype`); activations: "int8" turns on a GGUF target's int8-activation mode
+    (models/int8_activations.py) for this process."""
     from ..models.checkpoint import load_draft
     from ..decoding.engine import Engine
     from ..models.kernels import fast_draft_dtype
@@ -72,6 +73,15 @@ def load_engine(target: str, draft: str | None, device: str | None = None, dtype
         raise BlockdraftError(f"drafter checkpoint {draft!r} does not exist")
     target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype, DRAFT_DTYPES)
     tgt = load_target(target, device=device, dtype=target_dtype)
+    if activations == "int8":
+        if tgt.dense_loader is None:
+            raise BlockdraftError(f"--activations int8 quantizes a GGUF target's activations: {target!r} does not "
+                                  "compute from GGUF blocks here")
+        from ..models import int8_activations
+
+        int8_activations.use(True)
+    elif activations != "float32":
+        raise BlockdraftError(f"--activations is float32 or int8 (got {activations!r})")
     path = bundled_drafter(target) if draft is None else (None if draft == "none" else Path(draft))
     drafter = load_draft(path, device=tgt.device, dtype=tgt.dtype) if path else None
     return Engine(tgt, drafter, draft_dtype=chosen_draft_dtype or fast_draft_dtype(tgt.device, tgt.dtype))
@@ -85,6 +95,13 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                    help="the drafter's dtype; it cannot change the output (auto: see kernels.fast_draft_dtype; "
                         "on a CPU with the few-row kernel, bfloat16 and int8 store the drafter's weights in "
                         "that type and compute in float32)")
+
+
+def add_activations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", default="float32", choices=("float32", "int8"),
+                   help="a GGUF target's activations: float32 (exact: bitwise its dequantized weights, the default) "
+                        "or int8 (faster, as llama.cpp computes; needs AVX-512 VNNI; speculative output equals "
+                        "this mode's own plain decoding, not float32's)")
 
 
 DEFAULT_TREE = 16  # greedy decoding verifies token trees of up to 16 nodes unless told otherwise (docs/trees.md)

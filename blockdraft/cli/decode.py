@@ -6,14 +6,14 @@ import json
 import sys
 
 from ..errors import BlockdraftError
-from .common import add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
+from .common import add_activations_arg, add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
 
 
 def cmd_generate(
     target: str, draft: str | None, prompt: str | None, prompts_file: str | None, chat: bool | None,
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
     block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = True,
-    dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None,
+    dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None, activations: str = "float32",
 ) -> None:
     from ..decoding.engine import GenerationConfig, GenerationStats, TextStream
     from ..decoding.verify import SamplingParams
@@ -21,7 +21,7 @@ def cmd_generate(
     rows = read_prompts(prompt, prompts_file)
     sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
     check_tree(tree)
-    engine = load_engine(target, draft, device, dtype, draft_dtype)
+    engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     base = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, block_size=block_size, stop_strings=tuple(stop),
         lookup=lookup, tree_budget=tree_budget(tree, block_size, temperature, engine),
@@ -62,7 +62,8 @@ def cmd_generate(
 
 def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: float, top_p: float,
              seed: int | None, system: str | None, device: str | None, lookup: bool = True,
-             dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None) -> None:
+             dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None,
+             activations: str = "float32") -> None:
     from ..serving.chat import chat_loop
     from ..decoding.engine import GenerationConfig
     from ..decoding.verify import SamplingParams
@@ -71,7 +72,7 @@ def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: f
     if not 1 <= max_new_tokens <= 1_000_000:
         raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
     check_tree(tree)
-    engine = load_engine(target, draft, device, dtype, draft_dtype)
+    engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, lookup=lookup,
                               tree_budget=tree_budget(tree, None, temperature, engine))
     if not engine.target.has_chat_template:
@@ -83,7 +84,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
               max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True,
               dtype: str = "auto", draft_dtype: str = "auto", max_batch: int = 16,
               max_step_tokens: int | None = None, backend: str = "blockdraft", vllm_python: str = "python",
-              shutdown_grace: float = 10.0, max_body_bytes: int | None = None) -> None:
+              shutdown_grace: float = 10.0, max_body_bytes: int | None = None, activations: str = "float32") -> None:
     import math
     import os
 
@@ -103,7 +104,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     if max_body_bytes is not None and max_body_bytes < 1024:
         raise BlockdraftError(f"--max-body-bytes must be at least 1024 (got {max_body_bytes})")
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
-    engine = load_engine(target, draft, device, dtype, draft_dtype)
+    engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
                      max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes)
     serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
@@ -154,6 +155,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_lookup_arg(g)
     add_dtype_args(g)
+    add_activations_arg(g)
     g.add_argument("--json", dest="as_json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
     g.set_defaults(run=cmd_generate)
@@ -169,6 +171,7 @@ def add_parsers(sub) -> None:
     add_tree_arg(c)
     add_lookup_arg(c)
     add_dtype_args(c)
+    add_activations_arg(c)
     c.add_argument("--device", default=None)
     c.set_defaults(run=cmd_chat)
 
@@ -187,6 +190,7 @@ def add_parsers(sub) -> None:
                    help="tokens one decode step may verify, the whole batch together (default: no cap)")
     add_lookup_arg(s)
     add_dtype_args(s)
+    add_activations_arg(s)
     s.add_argument("--device", default=None)
     s.add_argument("--backend", choices=["blockdraft", "vllm"], default="blockdraft",
                    help="vllm: run vLLM's OpenAI server with this target and drafter instead (the command "

@@ -30,6 +30,7 @@ import torch
 
 from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
+from ..models.int8_activations import int8_activations, require as require_int8
 from ..models.kernels import packed_kernel, use_packed
 from ..decoding.oracle import OracleDraft
 from .methods import EXACT_PEERS, PEER_NAMES, check_methods, check_peer_greedy, parse_method, peer_of
@@ -183,6 +184,11 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             if m not in (peer or {}):
                 raise BlockdraftError(f"the {engine_name} methods need a started {PEER_NAMES[engine_name]} peer "
                                       "(`blockdraft bench` starts one)")
+    if any(specs[m].q8 for m in methods):
+        if target.dense_loader is None:
+            raise BlockdraftError("'+q8' methods quantize a GGUF target's activations: this target does not "
+                                  "compute from GGUF blocks")
+        require_int8()
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
@@ -204,7 +210,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     truth = {tuple(p): r for p, r in zip(prompts, references or [])}  # greedy continuations, for the oracle
 
     def run(method, ids, res):
-        with use_packed(packed):
+        with use_packed(packed), int8_activations(specs[method].q8):
             return run_method(method, ids, res)
 
     def run_method(method, ids, res):
@@ -287,16 +293,24 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, tokens_per_step, verified[m]), 3)
     mismatches = []
     reference = "hf" if "hf" in results else "ar" if "ar" in results else None  # plain greedy decoding
+    q8_reference = "ar+q8" if "ar+q8" in results else None  # the int8 mode's own plain decoding
     if temperature == 0 and reference:
         ref = results[reference].outputs
         for m, r in results.items():
             peer_name = peer_of(specs[m].name)
-            if peer_name and peer_name not in EXACT_PEERS:  # other kernels: how far the texts agree
+            if (peer_name and peer_name not in EXACT_PEERS) or specs[m].q8:  # other numerics: how far the texts agree
                 report[m]["agreement"] = agreement(r.outputs, ref)
-                continue
-            for i, (a, h) in enumerate(zip(r.outputs, ref)):
+                if not specs[m].q8:
+                    continue
+            if specs[m].q8:  # exact against the int8 mode's own plain decoding
+                against = q8_reference
+                if against is None or m == against:
+                    continue
+            else:
+                against = reference
+            for i, (a, h) in enumerate(zip(r.outputs, results[against].outputs)):
                 if a != h:
-                    mismatches.append({"method": m, "prompt": i, "against": reference})
+                    mismatches.append({"method": m, "prompt": i, "against": against})
     for base in ("hf", "ar"):
         if base in report and report[base]["tok_s"]:
             for m in report:
@@ -345,7 +359,8 @@ def format_table(report: dict) -> str:
     for m, r in report["methods"].items():
         if r.get("agreement"):
             a = r["agreement"]
-            lines.append(f"{m}: its own kernels; same text as {against} on {a['identical']} prompts, the first "
+            kind = "int8 activations" if "+q8" in m else "its own kernels"
+            lines.append(f"{m}: {kind}; same text as {against} on {a['identical']} prompts, the first "
                          f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
         if r.get("trees"):
             t = r["trees"]

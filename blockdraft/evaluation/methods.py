@@ -1,5 +1,5 @@
 """The methods `blockdraft bench` runs side by side, as `--methods` names them:
-`name[@keep][+lookup|-lookup][+treeN][:block][/dtype]` (bench.py says what each method is)."""
+`name[@keep][+lookup|-lookup][+treeN][+q8][:block][/dtype]` (bench.py says what each method is)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,18 @@ class MethodSpec:
     lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
     tree_budget: int | None = None  # `+treeN`: verify a token tree of N nodes instead of a chain (tree.py)
     draft_dtype: str | None = None  # `/int8`: this method's own copy of the drafter, in that dtype (--draft-dtype's)
+    q8: bool = False  # `+q8`: a GGUF target's activations quantized to int8 (models/int8_activations.py)
 
 
 def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
     """`oracle@0.9:16` -> MethodSpec("oracle", 0.9, 16), `dflash` -> MethodSpec("dflash",
     lookup=True) (the engine's default), `dflash-lookup` -> the drafter alone, `ar+lookup` -> plain
     decoding plus prompt lookup, `dflash/int8` -> the drafter in its own dtype (`--draft-dtype`'s
-    names); a BlockdraftError for anything unknown."""
+    names), `ar+q8` -> plain decoding with the target's activations in int8; a BlockdraftError for
+    anything unknown."""
     head, block, tree, draft_dtype = method, None, None, None
+    q8 = "+q8" in head
+    head = head.replace("+q8", "", 1)
     if "/" in head:
         head, draft_dtype = head.split("/", 1)
         if draft_dtype not in DRAFT_DTYPES:
@@ -75,9 +79,11 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         raise BlockdraftError(f"{method!r}: only dflash and oracle take '+treeN'")
     if draft_dtype is not None and name not in ("dflash", "oracle"):
         raise BlockdraftError(f"{method!r}: only dflash and oracle take a drafter dtype ('/DTYPE')")
+    if q8 and name not in ("dflash", "ar", "oracle"):
+        raise BlockdraftError(f"{method!r}: only dflash, ar and oracle take '+q8' (int8 activations)")
     if name == "oracle" and keep is None:
         keep = default_keep
-    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree, draft_dtype)
+    return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree, draft_dtype, q8)
 
 
 def check_methods(methods) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ from .cpu import cpu_flags
 NAME = "blockdraft_few_rows"
 NR = 16  # output features per panel (csrc/few_rows.cpp)
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows.cpp", "rope_cache.cpp", "blocks512.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows.cpp", "rope_cache.cpp", "blocks512.cpp", "q8.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
 
 _ext = None

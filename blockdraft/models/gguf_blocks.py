@@ -13,7 +13,7 @@ a sixth to a third of the bytes to stream (5 to 10 bits a weight against 32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ KINDS = {"Q4_0": Kind(32, 18, 0, 32), "Q4_1": Kind(32, 20, 1, 32), "Q8_0": Kind(
          "Q4_K": Kind(256, 144, 3, 32), "Q6_K": Kind(256, 210, 4, 16)}
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class BlockPanels:
     """A weight's blocks as `block_linear` reads them (`few_rows.NR` = 16 outputs a panel)."""
 
@@ -43,6 +43,8 @@ class BlockPanels:
     m: torch.Tensor | None  # Q4_1's and Q4_K's offsets, shaped as d
     out_features: int
     in_features: int
+    # the codes laid out for integer dot products (int8_activations.py), made at their first use
+    vnni: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

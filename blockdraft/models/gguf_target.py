@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import few_rows
+from . import few_rows, int8_activations
 from .gguf_blocks import BlockPanels, block_linear, dequantize, kind_name, pack_blocks
 from .kernels import _packed_enabled
 
@@ -63,9 +63,9 @@ class BlockLinear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         if len(rows) >= DENSE_ROWS:  # a long prompt: the weight made once beats re-reading blocks per 64 rows
             return nn.functional.linear(x, self.weight, self.bias)
-        step = few_rows.MAX_ROWS
-        y = torch.cat([block_linear(rows[i:i + step], self.panels, self.bias) for i in range(0, len(rows), step)]) \
-            if len(rows) > step else block_linear(rows, self.panels, self.bias)
+        step, kernel = few_rows.MAX_ROWS, int8_activations.block_linear if int8_activations.MODE.on else block_linear
+        y = torch.cat([kernel(rows[i:i + step], self.panels, self.bias) for i in range(0, len(rows), step)]) \
+            if len(rows) > step else kernel(rows, self.panels, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import few_rows
+from . import few_rows, int8_activations
 from .cache import crop, kv_room
 from .gguf_blocks import KINDS
 from .gguf_target import DENSE_ROWS, BlockLinear
@@ -49,11 +49,17 @@ def enabled() -> bool:
 def _direct(proj: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A projection as the call its module makes on rows [M, K] -> [M, N]: for a BlockLinear
     without bias, the block kernel itself (what `BlockLinear.forward` calls for fewer than
-    DENSE_ROWS rows, without its checks); any other module as it is."""
+    DENSE_ROWS rows, without its checks), the int8 kernel in that mode; any other module as it is."""
     if isinstance(proj, BlockLinear) and proj.bias is None:
         p, ext = proj.panels, few_rows._load()
         m, kind, n = p.m if p.m is not None else p.d.new_empty(0), KINDS[p.kind].number, p.out_features
-        return lambda x: ext.block_linear(x, p.codes, p.d, m, n, kind)
+
+        def call(x):
+            if int8_activations.MODE.on:  # the opt-in int8-activation mode (int8_activations.py)
+                return ext.block_linear_q8(x, int8_activations.vnni_codes(p), p.d, m, n, kind)
+            return ext.block_linear(x, p.codes, p.d, m, n, kind)
+
+        return call
     return proj
 
 

@@ -1,19 +1,26 @@
-// The GGUF block kernel of few_rows.cpp (`block_linear`) with AVX-512: a panel's 16 outputs are
-// one 512-bit vector where AVX2 needs two, so a block of codes is widened and dequantized by half
-// the instructions and each row's multiply-add covers 16 outputs at once. At one row the AVX2
-// kernel is bound by its dequantizing instructions, not by memory; at a verify's 16 rows, by its
-// multiply-adds.
+// The few-row kernels of few_rows.cpp (`block_linear` over GGUF blocks, `linear` over fp32, bf16
+// or int8 panels) with AVX-512: a panel's 16 outputs are one 512-bit vector where AVX2 needs two,
+// so a block of codes is widened and dequantized by half the instructions and each row's
+// multiply-add covers 16 outputs at once. At one row the AVX2 block kernel is bound by its
+// dequantizing instructions, not by memory; at a verify's 16 rows, by its multiply-adds.
 //
 // Bitwise the AVX2 kernel: the same weights (each dequantized by the same operations: 4-bit kinds
 // fma(q, d, m), 8-bit ones d * q), and each output one accumulator over k in order,
 // acc = fma(x[m, k], w[k, n], acc) from zero, whatever the row count or the tile a row falls in.
-// Compiled for AVX-512 in this file alone; `block_run512` runs only where the CPU has it
-// (`avx512_usable`), else the caller runs the AVX2 kernel.
-#pragma GCC target("avx512f,avx512bw,avx512vl,f16c,fma")
-
+// A panel's fp32, bf16 or int8 weights are widened exactly, an int8 panel's sums multiplied by
+// their outputs' scales at the store, as the AVX2 kernel does. Compiled for AVX-512 in this file
+// alone; `block_run512` and `panel_run512` run only where the CPU has it (`avx512_usable`), else the
+// caller runs the AVX2 kernels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "units.h"
+
+// Only this file's own code is compiled for AVX-512: torch's inline functions, compiled here too,
+// must stay what every other file compiles (the linker keeps one copy of each).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,f16c,fma")
 
 namespace {
 
@@ -26,6 +33,7 @@ enum BlockKind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q6_K = 4 };  // as few_
 template <int KIND>
 struct Blocks16 {
     struct Scale { __m512 d, m; };
+    static constexpr bool BLOCKS = true;  // (prefetches its next panels' codes and scales)
     static constexpr bool EIGHT_BIT = KIND == Q8_0 || KIND == Q6_K;
     static constexpr bool FP32_SCALES = KIND == Q4_K || KIND == Q6_K;
     static constexpr bool OFFSET = KIND == Q4_1 || KIND == Q4_K;
@@ -73,6 +81,34 @@ struct Blocks16 {
     }
 };
 
+// Sixteen weights as fp32: as they are, widened from bf16 (fp32's upper half: exact) or from int8.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A weight's panels [P][K][16] of fp32, bf16 or int8 (one span: the whole row).
+template <typename T>
+struct Panels16 {
+    struct Scale {};
+    static constexpr bool BLOCKS = false;
+    static constexpr int64_t SPAN = 0;
+    const T* data;
+    int64_t stride;  // elements per panel: K * 16
+    inline Scale scale(int, int64_t) const { return {}; }
+    inline __m512 operator()(int p, int64_t k, Scale) const { return load16(data + p * stride + k * NR); }
+    inline Panels16 from(int64_t p) const { return {data + p * stride, stride}; }
+};
+
+// An int8 weight's sums times their outputs' scales (none: the sums as they are).
+inline __m512 scaled16(__m512 v, const float* scale, int64_t n) {
+    return scale == nullptr ? v : _mm512_mul_ps(v, _mm512_loadu_ps(scale + n));
+}
+
 inline void store16(float* row, int64_t n, int64_t N, __m512 v) {
     if (n + NR <= N) _mm512_storeu_ps(row + n, v);
     else if (n < N) _mm512_mask_storeu_ps(row + n, static_cast<__mmask16>((1u << (N - n)) - 1), v);
@@ -85,7 +121,7 @@ inline void store16(float* row, int64_t n, int64_t N, __m512 v) {
     B5_ROW(6, DO) B5_ROW(7, DO)
 #define B5_DECL(i, p) __m512 a##i##p = _mm512_setzero_ps();
 #define B5_FMA(i, p) if constexpr (MR > i && NP > p) a##i##p = _mm512_fmadd_ps(xi, w##p, a##i##p);
-#define B5_STORE(i, p) if constexpr (MR > i && NP > p) store16(y + i * ldy, n0 + NR * p, N, a##i##p);
+#define B5_STORE(i, p) if constexpr (MR > i && NP > p) store16(y + i * ldy, n0 + NR * p, N, scaled16(a##i##p, scale, n0 + NR * p));
 #define B5_SCALE(p) const typename R::Scale s##p = NP > p ? panels.scale(p, k0) : typename R::Scale{};
 #define B5_LOAD(p) const __m512 w##p = NP > p ? panels(p, k, s##p) : _mm512_setzero_ps();
 // the next unit's panels (the same thread's next), a cache line of their codes and scales at a time
@@ -96,15 +132,16 @@ inline void store16(float* row, int64_t n, int64_t N, __m512 v) {
 
 template <int MR, int NP, typename R, bool PREFETCH = false>
 inline void tile(const float* x, int64_t ldx, const R& panels, int64_t K, float* y, int64_t ldy, int64_t n0,
-                 int64_t N) {
+                 int64_t N, const float* scale) {
     static_assert(MR <= 8 && NP <= 4 && MR * NP <= 16, "accumulators must fit the registers");
     B5_ROWS(B5_DECL)
-    for (int64_t k0 = 0; k0 < K; k0 += R::SPAN) {
+    const int64_t span = R::SPAN ? R::SPAN : K;
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
         B5_SCALE(0) B5_SCALE(1) B5_SCALE(2) B5_SCALE(3)
         if constexpr (PREFETCH) if ((k0 / R::SPAN) % (64 / (NR * (R::FP32_SCALES ? 4 : 2))) == 0) {
             B5_FETCH_SCALES(0) B5_FETCH_SCALES(1) B5_FETCH_SCALES(2) B5_FETCH_SCALES(3)
         }
-        for (int64_t k = k0; k < k0 + R::SPAN; ++k) {
+        for (int64_t k = k0; k < k0 + span; ++k) {
             if constexpr (PREFETCH) if (k % (64 / R::CODE_BYTES) == 0) { B5_FETCH(0) B5_FETCH(1) B5_FETCH(2) B5_FETCH(3) }
             B5_LOAD(0) B5_LOAD(1) B5_LOAD(2) B5_LOAD(3)
             B5_STEP(0) B5_STEP(1) B5_STEP(2) B5_STEP(3) B5_STEP(4) B5_STEP(5) B5_STEP(6) B5_STEP(7)
@@ -115,49 +152,41 @@ inline void tile(const float* x, int64_t ldx, const R& panels, int64_t K, float*
 
 // All M rows of x against NP panels from p0: tiles of 16 / NP rows (at most 8), then the rest.
 template <int NP, typename R>
-void rows_x_panels(const float* x, int64_t M, int64_t K, const R& packed, int64_t p0, float* y, int64_t N) {
+void rows_x_panels(const float* x, int64_t M, int64_t K, const R& packed, int64_t p0, float* y, int64_t N,
+                   const float* scale) {
     constexpr int MR = 16 / NP > 8 ? 8 : 16 / NP;
+    constexpr bool FETCH = NP == 4 && R::BLOCKS;
     const R panels = packed.from(p0);
     const int64_t n0 = p0 * NR;
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) tile<MR, NP, R>(x + m * K, K, panels, K, y + m * N, N, n0, N);
+    for (; m + MR <= M; m += MR) tile<MR, NP, R>(x + m * K, K, panels, K, y + m * N, N, n0, N, scale);
     const float* xr = x + m * K;
     float* yr = y + m * N;
     switch (M - m) {
-        case 7: if constexpr (7 * NP <= 16) tile<7, NP, R>(xr, K, panels, K, yr, N, n0, N); break;
-        case 6: if constexpr (6 * NP <= 16) tile<6, NP, R>(xr, K, panels, K, yr, N, n0, N); break;
-        case 5: if constexpr (5 * NP <= 16) tile<5, NP, R>(xr, K, panels, K, yr, N, n0, N); break;
-        case 4: if constexpr (4 * NP <= 16) tile<4, NP, R>(xr, K, panels, K, yr, N, n0, N); break;
-        case 3: if constexpr (3 * NP <= 16) tile<3, NP, R>(xr, K, panels, K, yr, N, n0, N); break;
-        case 2: tile<2, NP, R, NP == 4>(xr, K, panels, K, yr, N, n0, N); break;
-        case 1: tile<1, NP, R, NP == 4>(xr, K, panels, K, yr, N, n0, N); break;
+        case 7: if constexpr (7 * NP <= 16) tile<7, NP, R>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 6: if constexpr (6 * NP <= 16) tile<6, NP, R>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 5: if constexpr (5 * NP <= 16) tile<5, NP, R>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 4: if constexpr (4 * NP <= 16) tile<4, NP, R>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 3: if constexpr (3 * NP <= 16) tile<3, NP, R>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 2: tile<2, NP, R, FETCH>(xr, K, panels, K, yr, N, n0, N, scale); break;
+        case 1: tile<1, NP, R, FETCH>(xr, K, panels, K, yr, N, n0, N, scale); break;
         default: break;
     }
 }
 
-template <int KIND>
-void run(const float* x, int64_t M, int64_t K, const Blocks16<KIND>& w, int64_t P, float* y, int64_t N) {
+template <typename R>
+void run(const float* x, int64_t M, int64_t K, const R& w, int64_t P, float* y, int64_t N,
+         const float* scale = nullptr) {
     // few rows: four panels a unit (independent chains in flight while the memory streams in);
     // more rows: two panels, tiles of eight rows
     const int64_t np = M <= 2 ? 4 : 2;
-    const int64_t units = (P + np - 1) / np;
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t u = begin; u < end; ++u) {
-            int64_t p = u * np;
-            const int64_t stop = std::min(P, p + np);
-            if (stop - p == np) {
-                if (np == 4) rows_x_panels<4>(x, M, K, w, p, y, N);
-                else rows_x_panels<2>(x, M, K, w, p, y, N);
-                continue;
-            }
-            for (; p < stop; ++p) rows_x_panels<1>(x, M, K, w, p, y, N);
-        }
-    });
+    over_units(P, np, [&](int64_t p) {
+        if (np == 4) rows_x_panels<4>(x, M, K, w, p, y, N, scale);
+        else rows_x_panels<2>(x, M, K, w, p, y, N, scale);
+    }, [&](int64_t p) { rows_x_panels<1>(x, M, K, w, p, y, N, scale); });
 }
 
 }  // namespace
-
-bool avx512_usable() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 
 // x [M, K] fp32 against a weight's blocks (already checked by the caller, few_rows.cpp's
 // `block_run`) -> y [M, N].
@@ -166,11 +195,28 @@ void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t*
     const char* dc = static_cast<const char*>(d);
     const char* mc = static_cast<const char*>(m);
     switch (kind) {
-        case Q4_0: run<Q4_0>(x, M, K, {codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q4_1: run<Q4_1>(x, M, K, {codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q8_0: run<Q8_0>(x, M, K, {codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q4_K: run<Q4_K>(x, M, K, {codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q6_K: run<Q6_K>(x, M, K, {codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
+        case Q4_0: run(x, M, K, Blocks16<Q4_0>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
+        case Q4_1: run(x, M, K, Blocks16<Q4_1>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
+        case Q8_0: run(x, M, K, Blocks16<Q8_0>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
+        case Q4_K: run(x, M, K, Blocks16<Q4_K>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
+        case Q6_K: run(x, M, K, Blocks16<Q6_K>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
         default: TORCH_CHECK(false, "block_run512: unknown block kind");
     }
 }
+
+// x [M, K] fp32 against panels [P][K][16] (already checked by few_rows.cpp's `linear`) of fp32
+// (dtype 0), bf16 (1) or int8 (2, with `scale` [P * 16]) -> y [M, N].
+void panel_run512(int dtype, const float* x, int64_t M, int64_t K, const void* data, int64_t P, float* y, int64_t N,
+                  const float* scale) {
+    switch (dtype) {
+        case 0: run(x, M, K, Panels16<float>{static_cast<const float*>(data), K * NR}, P, y, N); break;
+        case 1: run(x, M, K, Panels16<uint16_t>{static_cast<const uint16_t*>(data), K * NR}, P, y, N); break;
+        case 2: run(x, M, K, Panels16<int8_t>{static_cast<const int8_t*>(data), K * NR}, P, y, N, scale); break;
+        default: TORCH_CHECK(false, "panel_run512: fp32, bf16 or int8 panels");
+    }
+}
+
+#pragma GCC pop_options
+
+// (outside the AVX-512 code: it runs on every CPU)
+bool avx512_usable() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }

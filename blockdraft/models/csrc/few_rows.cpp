@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "units.h"
 #include <cmath>
 #include <vector>
 
@@ -213,19 +215,26 @@ void run(const float* xp, int64_t M, int64_t K, const R& wp, int64_t P, float* y
     // Panels per unit of work: at few rows, several panels at once keep enough independent
     // accumulator chains in flight (an FMA's latency is four of its issue slots).
     const int64_t np = M == 1 ? 4 : (M == 2 ? 3 : (M <= 3 ? 2 : 1));
-    const int64_t units = (P + np - 1) / np;
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t u = begin; u < end; ++u) {
-            int64_t p = u * np;
-            const int64_t stop = std::min(P, p + np);
-            if (stop - p == np) {
-                if (np == 4) { rows_x_panels<4, R>(xp, M, K, wp, p, yp, N, scale); continue; }
-                if (np == 3) { rows_x_panels<3, R>(xp, M, K, wp, p, yp, N, scale); continue; }
-                if (np == 2) { rows_x_panels<2, R>(xp, M, K, wp, p, yp, N, scale); continue; }
-            }
-            for (; p < stop; ++p) rows_x_panels<1, R>(xp, M, K, wp, p, yp, N, scale);
-        }
-    });
+    over_units(P, np, [&](int64_t p) {
+        if (np == 4) rows_x_panels<4, R>(xp, M, K, wp, p, yp, N, scale);
+        else if (np == 3) rows_x_panels<3, R>(xp, M, K, wp, p, yp, N, scale);
+        else if (np == 2) rows_x_panels<2, R>(xp, M, K, wp, p, yp, N, scale);
+        else rows_x_panels<1, R>(xp, M, K, wp, p, yp, N, scale);
+    }, [&](int64_t p) { rows_x_panels<1, R>(xp, M, K, wp, p, yp, N, scale); });
+}
+
+// blocks512.cpp: the same kernels with AVX-512 (bitwise the same outputs), where the CPU has it
+bool avx512_usable();
+void panel_run512(int dtype, const float* x, int64_t M, int64_t K, const void* data, int64_t P, float* y, int64_t N,
+                  const float* scale);
+void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* d,
+                  const void* m, int64_t code_stride, int64_t scale_stride, int64_t P, float* y, int64_t N);
+bool g_avx512 = avx512_usable();
+
+// Whether `block_linear` runs the AVX-512 kernel (on = where the CPU has it); returns the setting.
+bool set_avx512(bool on) {
+    g_avx512 = on && avx512_usable();
+    return g_avx512;
 }
 
 // x [M, K] fp32 against packed panels (fp32, bf16, or int8 with a scale per output row in `scales`,
@@ -238,9 +247,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
     const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "linear: N does not match the packed weight");
     auto y = torch::empty({M, N}, x.options());
-    if (packed.scalar_type() == torch::kChar) {
+    if (packed.scalar_type() == torch::kChar)
         TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * NR,
                     "linear: int8 panels need their rows' scales [P * 16] float32");
+    if (g_avx512) {
+        const int dtype = packed.scalar_type() == torch::kFloat32 ? 0 : (packed.scalar_type() == torch::kBFloat16 ? 1 : 2);
+        panel_run512(dtype, x.data_ptr<float>(), M, K, packed.data_ptr(), P, y.data_ptr<float>(), N,
+                     dtype == 2 ? scales.data_ptr<float>() : nullptr);
+        return y;
+    }
+    if (packed.scalar_type() == torch::kChar) {
         run(x.data_ptr<float>(), M, K, Panels<int8_t>{packed.data_ptr<int8_t>(), K * NR}, P, y.data_ptr<float>(), N,
             scales.data_ptr<float>());
     } else if (packed.scalar_type() == torch::kBFloat16)
@@ -256,18 +272,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 // kinds) or [P, K, 16] int8 (Q8_0, Q6_K), d and m [P, K / SPAN, 16], fp16 (Q4_0, Q4_1, Q8_0) or fp32
 // (the K-quants), m only for Q4_1 and Q4_K (else empty) -> y [M, N] fp32, each output summed as
 // `linear` sums it: bitwise what `linear` gives on the dequantized weight.
-// blocks512.cpp: the same kernel with AVX-512 (bitwise the same outputs), where the CPU has it
-bool avx512_usable();
-void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* d,
-                  const void* m, int64_t code_stride, int64_t scale_stride, int64_t P, float* y, int64_t N);
-bool g_avx512 = avx512_usable();
-
-// Whether `block_linear` runs the AVX-512 kernel (on = where the CPU has it); returns the setting.
-bool set_avx512(bool on) {
-    g_avx512 = on && avx512_usable();
-    return g_avx512;
-}
-
 template <int KIND>
 void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
                torch::Tensor& y) {
@@ -549,10 +553,19 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t D, torch::Tensor cos,
                           torch::Tensor sin, torch::Tensor kbuf, torch::Tensor vbuf, int64_t n);
 
+// q8.cpp (the opt-in int8-activation mode)
+bool q8_usable();
+torch::Tensor pack_vnni(torch::Tensor codes, int64_t kind);
+torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor m, int64_t N,
+                              int64_t kind);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention", &attention);
     m.def("rope_append", &rope_append);
     m.def("set_avx512", &set_avx512);
+    m.def("q8_usable", &q8_usable);
+    m.def("pack_vnni", &pack_vnni);
+    m.def("block_linear_q8", &block_linear_q8);
     m.def("norm_rope", &norm_rope);
     m.def("rms_norm", &rms_norm);
     m.def("supported", &supported);

@@ -9,10 +9,11 @@
 // sum (apply_rotary_pos_emb); rotate_half(v)[d] is -v[d + D/2] below D/2 and v[d - D/2] above, and
 // a + (-b) * s rounds as a - b * s. The pragma keeps the compiler from fusing a product into the sum
 // (an FMA rounds once, not twice, and would differ in the last bit).
-#pragma GCC optimize("fp-contract=off")
-
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 
 // q, k, v [B, T, H * D] (views of one fused projection's output are fine: only the last dimension
 // must be contiguous), cos and sin [1 or B, T, D], kbuf and vbuf [B, Hk, capacity, D] contiguous.
@@ -67,3 +68,5 @@ torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int
     });
     return out;
 }
+
+#pragma GCC pop_options
