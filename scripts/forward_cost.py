@@ -8,7 +8,7 @@ alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (d
     python scripts/forward_cost.py --draft        # the bundled drafter's forward and head, by block and setup
     python scripts/forward_cost.py --attention    # the target forward, few-row attention against SDPA
     python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
-    python scripts/forward_cost.py --blocks       # the GGUF target's block kernel calls, AVX-512 against AVX2
+    python scripts/forward_cost.py --blocks       # the GGUF target's block calls: AVX-512, AVX2, int8 activations
     python scripts/forward_cost.py --step         # the target forward, llama_step.py against transformers' modules
 """
 
@@ -103,9 +103,10 @@ def kernels_compared(target, tokens: list[int]) -> None:
 
 
 def blocks_compared(target, tokens: list[int]) -> None:
-    """The GGUF target's block kernel calls alone, in the forward's order (the body's layers, then
-    the head), on csrc/blocks512.cpp against the AVX2 kernel (alternating, lowest of three)."""
-    from blockdraft.models.gguf_blocks import block_linear
+    """The GGUF target's block layers alone, in the forward's order (the body's layers, then the
+    head), on csrc/blocks512.cpp against the AVX2 kernel and the int8-activation mode's (csrc/q8.cpp)
+    where it runs (alternating, lowest of three)."""
+    from blockdraft.models import int8_activations
     from blockdraft.models.gguf_target import BlockLinear
 
     ext = few_rows._load()
@@ -119,14 +120,23 @@ def blocks_compared(target, tokens: list[int]) -> None:
         with torch.inference_mode():
             for rows in tokens:
                 x = {n: torch.randn(rows, n) for n in {l.in_features for l in layers}}
-                calls = lambda: [block_linear(x[l.in_features], l.panels) for l in layers]  # noqa: E731
+                calls = lambda: [l(x[l.in_features]) for l in layers]  # noqa: E731: as the forward calls them
                 calls()
                 out[rows] = 1e3 * timed(calls, torch.device("cpu"), 15)
         return out
 
-    setups = {"AVX-512": lambda: ext.set_avx512(True), "AVX2": lambda: ext.set_avx512(False)}
-    print_rows(alternating(setups, lambda: measure(body), 3), tokens, f"body ({len(body)} calls), rows")
-    print_rows(alternating(setups, lambda: measure([head]), 3), tokens, f"head ({head.panels.kind}), rows")
+    def mode(avx512: bool, q8: bool):
+        ext.set_avx512(avx512)
+        int8_activations.MODE.on = q8
+
+    setups = {"AVX-512": lambda: mode(True, False), "AVX2": lambda: mode(False, False)}
+    if int8_activations.available():  # the opt-in int8-activation mode's kernel (csrc/q8.cpp)
+        setups["int8 activations"] = lambda: mode(True, True)
+    try:
+        print_rows(alternating(setups, lambda: measure(body), 3), tokens, f"body ({len(body)} calls), rows")
+        print_rows(alternating(setups, lambda: measure([head]), 3), tokens, f"head ({head.panels.kind}), rows")
+    finally:
+        mode(True, False)
 
 
 def step_compared(target, tokens: list[int]) -> None:

@@ -62,6 +62,15 @@ def test_the_mode_is_a_switch_the_block_layers_and_the_bench_follow():
         parse_method("hf+q8")
 
 
+def test_the_bench_refuses_q8_methods_on_a_target_without_blocks():
+    from conftest import tiny_target
+
+    from blockdraft.evaluation.bench import run_bench
+
+    with pytest.raises(BlockdraftError, match="GGUF"):
+        run_bench(tiny_target("llama"), None, [[1, 2, 3]], methods=("ar", "ar+q8"), max_new_tokens=2, profile=False)
+
+
 @pytest.mark.slow
 def test_smollm2_speculative_decoding_in_int8_mode_equals_its_plain_decoding():
     """The bundled GGUF target with int8 activations: speculative output (trees, lookup) equals this

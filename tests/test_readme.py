@@ -35,8 +35,10 @@ HEADLINE = {
     "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash,dflash-lookup,ar,hf,hf-pld,vllm,vllm-dflash:4",
     "blockdraft bench-serve --dataset mt-bench --limit 32 --concurrency 1,2,4,8,16 --max-batch 1,16 --max-new-tokens 128",
     "blockdraft tau --dataset humaneval --limit 40 --block-size 16",
-    "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash,dflash-lookup,ar,llamacpp,llamacpp-dflash:4",
-    "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash+tree16,dflash,ar,llamacpp,llamacpp-dflash:4",
+    "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash+tree16,dflash,ar,hf,llamacpp,llamacpp-dflash:4",
+    "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash+tree16,dflash,ar,llamacpp,llamacpp-dflash:4,dflash+tree16+q8,ar+q8",
+    "blockdraft bench --dataset humaneval --limit 40 --max-new-tokens 256 --methods dflash+tree16+q8,ar+q8,dflash+tree16,ar,llamacpp",
+    "blockdraft bench --dataset mt-bench --limit 80 --max-new-tokens 256 --methods dflash+tree16,dflash,ar,hf,llamacpp,llamacpp-dflash:4",
 }
 
 

@@ -303,6 +303,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                 if not specs[m].q8:
                     continue
             if specs[m].q8:  # exact against the int8 mode's own plain decoding
+                if "llamacpp" in results:  # llama.cpp computes with int8 activations too
+                    report[m]["agreement_with_llamacpp"] = agreement(r.outputs, results["llamacpp"].outputs)
                 against = q8_reference
                 if against is None or m == against:
                     continue
@@ -361,6 +363,10 @@ def format_table(report: dict) -> str:
             a = r["agreement"]
             kind = "int8 activations" if "+q8" in m else "its own kernels"
             lines.append(f"{m}: {kind}; same text as {against} on {a['identical']} prompts, the first "
+                         f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
+        if r.get("agreement_with_llamacpp"):
+            a = r["agreement_with_llamacpp"]
+            lines.append(f"{m}: same text as llamacpp on {a['identical']} prompts, the first "
                          f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
         if r.get("trees"):
             t = r["trees"]
