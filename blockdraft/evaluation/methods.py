@@ -79,8 +79,8 @@ def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:
         raise BlockdraftError(f"{method!r}: only dflash and oracle take '+treeN'")
     if draft_dtype is not None and name not in ("dflash", "oracle"):
         raise BlockdraftError(f"{method!r}: only dflash and oracle take a drafter dtype ('/DTYPE')")
-    if q8 and name not in ("dflash", "ar", "oracle"):
-        raise BlockdraftError(f"{method!r}: only dflash, ar and oracle take '+q8' (int8 activations)")
+    if q8 and name not in ("dflash", "ar"):  # (an oracle's greedy continuations are the exact mode's)
+        raise BlockdraftError(f"{method!r}: only dflash and ar take '+q8' (int8 activations)")
     if name == "oracle" and keep is None:
         keep = default_keep
     return MethodSpec(name, keep, block, name == "dflash" if lookup is None else lookup, tree, draft_dtype, q8)

@@ -4,14 +4,15 @@ The exact kernel (blocks512.cpp, few_rows.cpp) widens every weight to fp32 in re
 what keeps a GGUF target's output bitwise its dequantized fp32 weights' output; at one row that
 widening, not the memory, bounds it. llama.cpp instead quantizes each row of activations to int8
 in blocks of 32 (one fp32 scale a block) and multiplies the weights' integer codes by them with
-integer dot products, scaling only each block's sum. This mode does the same (csrc/q8.cpp, with
+integer dot products, scaling only each block's sum. This mode does likewise (csrc/q8.cpp, with
 AVX-512 VNNI: 64 products an instruction), so its results are close to the exact mode's, not
 equal. Each row is quantized and summed alone, in one fixed order whatever the number of rows:
 speculative decoding in this mode gives exactly this mode's plain greedy output.
 
 `int8_activations(True)` (a context manager) or `use(True)` turns it on for every GGUF block
-layer (the target's body and head; a long prompt's prefill, which multiplies the dequantized fp32
-weight, and the drafter are unchanged). It needs a CPU with AVX-512 VNNI (`available`).
+layer (the target's body and head: also the drafter's logits where it scores with the target's head
+itself; a long prompt's prefill, which multiplies the dequantized fp32 weight, and the drafter's
+own layers are unchanged). It needs a CPU with AVX-512 VNNI (`available`).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ class StepLayer:
 @dataclass
 class StepOutput:
     hidden: torch.Tensor  # [B, keep, H] the last `keep` rows, final-normed
-    # decoder layer i's output [B, T, H] for the layers asked for; the last layer's final-normed, as
-    # transformers records it in `hidden_states`
+    # decoder layer i's output [B, T, H] for the layers asked for (-1: the embedding's); the last
+    # layer's final-normed, as transformers records it in `hidden_states`
     layers: dict[int, torch.Tensor]
 
 
@@ -128,13 +128,14 @@ class LlamaStep:
         step = cls(model, layers)
         return step if all(is_fused(n) for n in step.norms) else None
 
-    def runs(self, kv, rows: int, mask: torch.Tensor | None) -> bool:
+    def runs(self, kv, rows: int, mask: torch.Tensor | None, taps=()) -> bool:
         """Whether a forward of `rows` rows in all (every sequence's) against the cache `kv`
         (transformers' DynamicCache) takes this step: plain attention layers holding a prefix, a
-        bool mask or none, fewer rows than a block layer takes its dense weight for."""
+        bool mask or none, fewer rows than a block layer takes its dense weight for, taps of
+        decoder layers or -1 (the embedding's output, transformers' `hidden_states[0]`)."""
         from transformers.cache_utils import DynamicLayer
 
-        if rows > few_rows.MAX_ROWS or rows >= DENSE_ROWS or not _packed_enabled() or torch.is_grad_enabled() \
+        if any(not -1 <= i < len(self.layers) for i in taps) or rows > few_rows.MAX_ROWS or rows >= DENSE_ROWS or not _packed_enabled() or torch.is_grad_enabled() \
                 or (mask is not None and mask.dtype != torch.bool) or len(kv.layers) != len(self.layers):
             return False
         first = kv.layers[0]
@@ -148,6 +149,7 @@ class LlamaStep:
         ext, (b, t) = self.ext, ids.shape
         x = self.embed(ids)  # [B, T, H]
         cos, sin = self.rotary(x, positions)  # [B, T, D] each
+        outputs = {-1: x} if -1 in taps else {}  # tap -1: the embedding's output
         x = x.view(b * t, -1)  # [M, H]: every projection and norm works on rows
         n0 = kv.layers[0].keys.shape[2]
         s = n0 + t
@@ -157,7 +159,7 @@ class LlamaStep:
             mask = (torch.arange(s) <= n0 + torch.arange(t)[:, None]).expand(b, 1, t, s)  # [B, 1, T, S]
         else:
             mask = _NONE
-        d, outputs = self.head_dim, {}
+        d = self.head_dim
         for i, (layer, cache) in enumerate(zip(self.layers, kv.layers)):
             h = ext.rms_norm(x, layer.input_norm.weight, layer.input_norm.forward.eps)
             if len(layer.qkv) == 1:

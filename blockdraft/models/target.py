@@ -319,7 +319,7 @@ class Target:
         if slot_positions is not None:
             args.update(position_ids=slot_positions, attention_mask=self._mask(slot_mask))
         mask = args.get("attention_mask")
-        if self.step is not None and not pending and self.head_splits and self.step.runs(cache.kv, ids.numel(), mask):
+        if self.step is not None and not pending and self.head_splits and self.step.runs(cache.kv, ids.numel(), mask, tap_layer_ids or ()):
             got = self.step.forward(ids, cache.kv, args["position_ids"], mask, tap_layer_ids or (), keep)
             taps = torch.cat([got.layers[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
             return TargetOutput(hidden=got.hidden, taps=taps, head=self.lm_head)

@@ -246,6 +246,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
     x = x.contiguous();
     const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "linear: N does not match the packed weight");
+    TORCH_CHECK(packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kBFloat16 ||
+                packed.scalar_type() == torch::kChar, "linear: float32, bfloat16 or int8 panels");
     auto y = torch::empty({M, N}, x.options());
     if (packed.scalar_type() == torch::kChar)
         TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == P * NR,

@@ -15,6 +15,20 @@
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
+namespace {
+
+// One head's rotation, each product rounded, then the sum. Never inlined: inlined into a caller
+// compiled with the default contraction (at::parallel_for's instance), its products could be
+// fused again.
+__attribute__((noinline, optimize("fp-contract=off")))
+void rope_head(const float* x, const float* c, const float* s, float* o, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] - x[d + half] * s[d];
+    for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+}  // namespace
+
 // q, k, v [B, T, H * D] (views of one fused projection's output are fine: only the last dimension
 // must be contiguous), cos and sin [1 or B, T, D], kbuf and vbuf [B, Hk, capacity, D] contiguous.
 // Writes rope(k) and v into kbuf and vbuf at slots n .. n + T - 1; returns rope(q) [B, Hq, T, D].
@@ -23,7 +37,7 @@ torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.scalar_type() == torch::kFloat32 &&
                 k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && q.stride(2) == 1 &&
                 k.stride(2) == 1 && v.stride(2) == 1, "rope_append: float32 q, k, v [B, T, H * D], rows contiguous");
-    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2) / D, Hk = k.size(2) / D, half = D / 2;
+    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2) / D, Hk = k.size(2) / D;
     TORCH_CHECK(D % 2 == 0 && q.size(2) == Hq * D && k.size(2) == Hk * D && v.sizes() == k.sizes() &&
                 k.size(0) == B && k.size(1) == T, "rope_append: q, k, v of whole heads of size D");
     TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == T && cos.size(2) == D &&
@@ -46,10 +60,6 @@ torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int
     const float* qp = q.data_ptr<float>();
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
-    auto rope = [&](const float* x, const float* c, const float* s, float* o) {
-        for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] - x[d + half] * s[d];
-        for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
-    };
     at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t b = i / T, t = i % T;
@@ -58,10 +68,10 @@ torch::Tensor rope_append(torch::Tensor q, torch::Tensor k, torch::Tensor v, int
             const float* qr = qp + b * q.stride(0) + t * q.stride(1);
             const float* kr = kp + b * k.stride(0) + t * k.stride(1);
             const float* vr = vp + b * v.stride(0) + t * v.stride(1);
-            for (int64_t h = 0; h < Hq; ++h) rope(qr + h * D, c, s, op + ((b * Hq + h) * T + t) * D);
+            for (int64_t h = 0; h < Hq; ++h) rope_head(qr + h * D, c, s, op + ((b * Hq + h) * T + t) * D, D);
             for (int64_t h = 0; h < Hk; ++h) {
                 const int64_t slot = ((b * Hk + h) * cap + n + t) * D;
-                rope(kr + h * D, c, s, kb + slot);
+                rope_head(kr + h * D, c, s, kb + slot, D);
                 for (int64_t d = 0; d < D; ++d) vb[slot + d] = vr[h * D + d];
             }
         }
