@@ -74,11 +74,9 @@ def load_engine(target: str, draft: str | None, device: str | None = None, dtype
     target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype, DRAFT_DTYPES)
     tgt = load_target(target, device=device, dtype=target_dtype)
     if activations == "int8":
-        if tgt.dense_loader is None:
-            raise BlockdraftError(f"--activations int8 quantizes a GGUF target's activations: {target!r} does not "
-                                  "compute from GGUF blocks here")
         from ..models import int8_activations
 
+        int8_activations.require(tgt)
         int8_activations.use(True)
     elif activations != "float32":
         raise BlockdraftError(f"--activations is float32 or int8 (got {activations!r})")

@@ -185,10 +185,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
                 raise BlockdraftError(f"the {engine_name} methods need a started {PEER_NAMES[engine_name]} peer "
                                       "(`blockdraft bench` starts one)")
     if any(specs[m].q8 for m in methods):
-        if target.dense_loader is None:
-            raise BlockdraftError("'+q8' methods quantize a GGUF target's activations: this target does not "
-                                  "compute from GGUF blocks")
-        require_int8()
+        require_int8(target)
     if "hf-assisted" in methods and assistant is None:
         raise BlockdraftError("method hf-assisted needs an assistant model (--assistant ID|PATH)")
     if references is not None and len(references) != len(prompts):
@@ -354,15 +351,12 @@ def format_table(report: dict) -> str:
     elif report["temperature"] == 0:
         lines.append("outputs not compared (add hf or ar to --methods)")
     for m, r in report["methods"].items():
-        if r.get("agreement"):
-            a = r["agreement"]
-            kind = "int8 activations" if "+q8" in m else "its own kernels"
-            lines.append(f"{m}: {kind}; same text as {against} on {a['identical']} prompts, the first "
-                         f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
-        if r.get("agreement_with_llamacpp"):
-            a = r["agreement_with_llamacpp"]
-            lines.append(f"{m}: same text as llamacpp on {a['identical']} prompts, the first "
-                         f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
+        for key, label, name in (("agreement", "int8 activations; " if "+q8" in m else "its own kernels; ", against),
+                                 ("agreement_with_llamacpp", "", "llamacpp")):
+            if r.get(key):
+                a = r[key]
+                lines.append(f"{m}: {label}same text as {name} on {a['identical']} prompts, the first "
+                             f"{a['mean_common_prefix']} of {a['mean_tokens']} tokens alike on average")
         if r.get("trees"):
             t = r["trees"]
             lines.append(f"{m}: trees on {t['steps']} of {t['of_steps']} steps, {t['mean_nodes']} nodes on average, "

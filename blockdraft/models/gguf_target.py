@@ -18,35 +18,36 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import few_rows, int8_activations
-from .gguf_blocks import BlockPanels, block_linear, dequantize, kind_name, pack_blocks
+from .gguf_blocks import KINDS, BlockPanels, block_linear, dequantize, kind_name, pack_blocks
 from .kernels import _packed_enabled
 
 # calls of this many rows or more (a long prompt's prefill) multiply the dequantized fp32 weight
 # with oneDNN, as the fp32 target does above the few-row kernel's 64 rows: 2,000 prompt tokens took
-# 4.9 s through the block kernel 64 rows at a time, 2.6 s on the fp32 weights
+# 4.9 s through the block kernel 64 rows at a time, 2.6 s on the fp32 weights. At most
+# few_rows.MAX_ROWS, so that any fewer rows are one kernel call.
 DENSE_ROWS = 256
 CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the loaded fp32 before it is dropped
 
 
 class BlockLinear(nn.Module):
-    """A linear layer computed from GGUF blocks (fp32 in, fp32 out). Calls of more rows than the
-    few-row kernel's limit run it in chunks (same sums, so a short prompt's rows equal decode rows),
-    calls of DENSE_ROWS or more (a long prompt) oneDNN on the dequantized weight, as the fp32
-    target's prefill runs;
-    within `kernels.use_packed(False)`, and where a gradient must flow through it, it runs
-    transformers' way, on the dequantized weight."""
+    """A linear layer computed from GGUF blocks (fp32 in, fp32 out): fewer than DENSE_ROWS rows by
+    the block kernel (`rows_kernel`), calls of DENSE_ROWS or more (a long prompt) by oneDNN on the
+    dequantized weight, as the fp32 target's prefill runs; within `kernels.use_packed(False)`, and
+    where a gradient must flow through it, transformers' way, on the dequantized weight."""
 
     def __init__(self, panels: BlockPanels, bias: torch.Tensor | None):
         super().__init__()
         self.panels = panels
         self.in_features, self.out_features = panels.in_features, panels.out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self._rows_kernel = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,10 +64,28 @@ class BlockLinear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         if len(rows) >= DENSE_ROWS:  # a long prompt: the weight made once beats re-reading blocks per 64 rows
             return nn.functional.linear(x, self.weight, self.bias)
-        step, kernel = few_rows.MAX_ROWS, int8_activations.block_linear if int8_activations.MODE.on else block_linear
-        y = torch.cat([kernel(rows[i:i + step], self.panels, self.bias) for i in range(0, len(rows), step)]) \
-            if len(rows) > step else kernel(rows, self.panels, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self.rows_kernel()(rows).view(*x.shape[:-1], self.out_features)
+
+    def rows_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The call `forward` makes on fp32 CPU rows [M, K], M < DENSE_ROWS -> [M, N] (+ bias): the
+        exact block kernel, or the int8 one in that mode (int8_activations.py), without forward's
+        checks. Made once, over the layer's tensors as they are (a block layer runs on the CPU
+        only): a decode step (llama_step.py) calls it directly, 120 times a token."""
+        if self._rows_kernel is None:
+            p, bias, ext = self.panels, self.bias, few_rows._load()
+            m, kind, n = p.m if p.m is not None else p.d.new_empty(0), KINDS[p.kind].number, p.out_features
+
+            def call(rows: torch.Tensor) -> torch.Tensor:
+                if int8_activations.MODE.on:
+                    y = ext.block_linear_q8(rows, int8_activations.vnni_codes(p), p.d, m, n, kind)
+                else:
+                    y = ext.block_linear(rows, p.codes, p.d, m, n, kind)
+                if bias is not None:
+                    y += bias
+                return y
+
+            self._rows_kernel = call
+        return self._rows_kernel
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.panels.kind}"

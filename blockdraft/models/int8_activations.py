@@ -38,8 +38,12 @@ def available() -> bool:
     return few_rows.available() and bool(few_rows._load().q8_usable())
 
 
-def require() -> None:
-    """A BlockdraftError where the mode cannot run."""
+def require(target=None) -> None:
+    """A BlockdraftError where the mode cannot run: on this CPU, or (given a target.Target) on a
+    target that does not compute from GGUF blocks (the mode would change nothing there)."""
+    if target is not None and target.dense_loader is None:
+        raise BlockdraftError(f"int8 activations quantize a GGUF target's activations: {target.name!r} does not "
+                              "compute from GGUF blocks here")
     if not available():
         raise BlockdraftError("int8 activations need a CPU with AVX-512 VNNI and the few-row kernel; "
                               "this one runs the exact fp32 mode only")

@@ -28,9 +28,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import few_rows, int8_activations
+from . import few_rows
 from .cache import crop, kv_room
-from .gguf_blocks import KINDS
 from .gguf_target import DENSE_ROWS, BlockLinear
 from .kernels import SHARED_KV_ATTENTION, _packed_enabled
 from .norms import is_fused
@@ -47,20 +46,10 @@ def enabled() -> bool:
 
 
 def _direct(proj: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A projection as the call its module makes on rows [M, K] -> [M, N]: for a BlockLinear
-    without bias, the block kernel itself (what `BlockLinear.forward` calls for fewer than
-    DENSE_ROWS rows, without its checks), the int8 kernel in that mode; any other module as it is."""
-    if isinstance(proj, BlockLinear) and proj.bias is None:
-        p, ext = proj.panels, few_rows._load()
-        m, kind, n = p.m if p.m is not None else p.d.new_empty(0), KINDS[p.kind].number, p.out_features
-
-        def call(x):
-            if int8_activations.MODE.on:  # the opt-in int8-activation mode (int8_activations.py)
-                return ext.block_linear_q8(x, int8_activations.vnni_codes(p), p.d, m, n, kind)
-            return ext.block_linear(x, p.codes, p.d, m, n, kind)
-
-        return call
-    return proj
+    """A projection as the call its module makes on rows [M, K] -> [M, N]: a BlockLinear's kernel
+    call itself (`rows_kernel`, without forward's checks, which `LlamaStep.runs` makes once a
+    step); any other module as it is."""
+    return proj.rows_kernel() if isinstance(proj, BlockLinear) else proj
 
 
 @dataclass
@@ -135,7 +124,8 @@ class LlamaStep:
         decoder layers or -1 (the embedding's output, transformers' `hidden_states[0]`)."""
         from transformers.cache_utils import DynamicLayer
 
-        if any(not -1 <= i < len(self.layers) for i in taps) or rows > few_rows.MAX_ROWS or rows >= DENSE_ROWS or not _packed_enabled() or torch.is_grad_enabled() \
+        if any(not -1 <= i < len(self.layers) for i in taps) or rows > few_rows.MAX_ROWS or rows >= DENSE_ROWS \
+                or not _packed_enabled() or torch.is_grad_enabled() \
                 or (mask is not None and mask.dtype != torch.bool) or len(kv.layers) != len(self.layers):
             return False
         first = kv.layers[0]
