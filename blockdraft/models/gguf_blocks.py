@@ -145,7 +145,18 @@ _UNPACK = {"Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q8_0": _unpack_q8_0, "Q4
 
 def dequantize(panels: BlockPanels) -> torch.Tensor:
     """The fp32 weight [N, K] the blocks stand for, computed as `gguf` computes it (d * q is exact
-    for the 4-bit kinds, and one rounding for the 8-bit ones: what the kernel multiplies with)."""
+    for the 4-bit kinds, and one rounding for the 8-bit ones: what the kernel multiplies with); in
+    one pass by the extension where it has AVX-512 (a long prompt's prefill makes each weight),
+    else by torch's ops (`dequantize_torch`), bitwise the same."""
+    ext = few_rows._load() if panels.codes.device.type == "cpu" else None
+    if ext is not None and ext.dequantize_usable():
+        m = panels.d.new_empty(0) if panels.m is None else panels.m
+        return ext.block_dequantize(panels.codes, panels.d, m, panels.out_features, KINDS[panels.kind].number)
+    return dequantize_torch(panels)
+
+
+def dequantize_torch(panels: BlockPanels) -> torch.Tensor:
+    """`dequantize` by torch's ops, on any device."""
     codes = panels.codes
     if codes.dtype == torch.uint8:  # 4-bit codes, two a byte
         codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # [P, K, 16]: outputs 0-7 low nibbles, 8-15 high

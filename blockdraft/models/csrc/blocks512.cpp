@@ -186,7 +186,46 @@ void run(const float* x, int64_t M, int64_t K, const R& w, int64_t P, float* y, 
     }, [&](int64_t p) { rows_x_panels<1>(x, M, K, w, p, y, N, scale); });
 }
 
+// The fp32 weight [N, K] that P panels of blocks stand for, each weight dequantized by the very
+// operations the kernels above use (so bitwise `gguf`'s dequantization): a long prompt's prefill
+// multiplies it with oneDNN, made once per call in one pass (torch's ops took seven over the
+// weight). Per panel and 16 k: the 16 x 16 weights in a tile, [k][output], each output's 16 k
+// then gathered into its row.
+template <typename R>
+void dequantize_panels(const R& w, int64_t P, int64_t K, float* out, int64_t N) {
+    const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        alignas(64) float tile[NR * NR];  // [k, output]
+        for (int64_t p = begin; p < end; ++p) {
+            const R panel = w.from(p);
+            const int64_t outputs = std::min(NR, N - p * NR);
+            for (int64_t k0 = 0; k0 < K; k0 += NR) {
+                const typename R::Scale s = panel.scale(0, k0);  // (a span is 16 or 32 k: one per tile)
+                for (int64_t k = 0; k < NR; ++k) _mm512_store_ps(tile + k * NR, panel(0, k0 + k, s));
+                for (int64_t o = 0; o < outputs; ++o)
+                    _mm512_storeu_ps(out + (p * NR + o) * K + k0, _mm512_i32gather_ps(down, tile + o, 4));
+            }
+        }
+    });
+}
+
 }  // namespace
+
+// The fp32 weight [N, K] of a weight's blocks (laid out as `block_run512` reads them; K a multiple
+// of 32, checked by the caller) into `out`.
+void block_dequantize512(int kind, int64_t K, const uint8_t* codes, const void* d, const void* m,
+                         int64_t code_stride, int64_t scale_stride, int64_t P, float* out, int64_t N) {
+    const char* dc = static_cast<const char*>(d);
+    const char* mc = static_cast<const char*>(m);
+    switch (kind) {
+        case Q4_0: dequantize_panels(Blocks16<Q4_0>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
+        case Q4_1: dequantize_panels(Blocks16<Q4_1>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
+        case Q8_0: dequantize_panels(Blocks16<Q8_0>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
+        case Q4_K: dequantize_panels(Blocks16<Q4_K>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
+        case Q6_K: dequantize_panels(Blocks16<Q6_K>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
+        default: TORCH_CHECK(false, "block_dequantize512: unknown block kind");
+    }
+}
 
 // x [M, K] fp32 against a weight's blocks (already checked by the caller, few_rows.cpp's
 // `block_run`) -> y [M, N].

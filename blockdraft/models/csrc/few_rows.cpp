@@ -229,6 +229,8 @@ void panel_run512(int dtype, const float* x, int64_t M, int64_t K, const void* d
                   const float* scale);
 void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* d,
                   const void* m, int64_t code_stride, int64_t scale_stride, int64_t P, float* y, int64_t N);
+void block_dequantize512(int kind, int64_t K, const uint8_t* codes, const void* d, const void* m,
+                         int64_t code_stride, int64_t scale_stride, int64_t P, float* out, int64_t N);
 bool g_avx512 = avx512_usable();
 
 // Whether `block_linear` runs the AVX-512 kernel (on = where the CPU has it); returns the setting.
@@ -275,10 +277,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 // (the K-quants), m only for Q4_1 and Q4_K (else empty) -> y [M, N] fp32, each output summed as
 // `linear` sums it: bitwise what `linear` gives on the dequantized weight.
 template <int KIND>
-void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
-               torch::Tensor& y) {
+Blocks<KIND> checked_blocks(int64_t K, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
+                            int64_t N) {
     using B = Blocks<KIND>;
-    const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = y.size(1);
+    const int64_t P = codes.size(0);
     TORCH_CHECK(codes.dim() == 3 && codes.size(1) == K && codes.size(2) == B::CODE_BYTES && codes.is_contiguous() &&
                 codes.element_size() == 1 && K % 32 == 0, "block_linear: codes packed for this input width");
     TORCH_CHECK(d.scalar_type() == (B::FP32_SCALES ? torch::kFloat32 : torch::kHalf) && d.is_contiguous() &&
@@ -286,8 +288,15 @@ void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::
     TORCH_CHECK(!B::OFFSET || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.sizes() == d.sizes()),
                 "block_linear: Q4_1 and Q4_K need m shaped as d");
     TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "block_linear: N does not match the packed weight");
-    const B blocks{reinterpret_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr(), B::OFFSET ? m.data_ptr() : nullptr,
-                   K * B::CODE_BYTES, K / B::SPAN * NR};
+    return {reinterpret_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr(), B::OFFSET ? m.data_ptr() : nullptr,
+            K * B::CODE_BYTES, K / B::SPAN * NR};
+}
+
+template <int KIND>
+void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m,
+               torch::Tensor& y) {
+    const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = y.size(1);
+    const Blocks<KIND> blocks = checked_blocks<KIND>(K, codes, d, m, N);
     if (g_avx512)
         block_run512(KIND, x.data_ptr<float>(), M, K, blocks.codes, blocks.d, blocks.m, blocks.code_stride,
                      blocks.scale_stride, P, y.data_ptr<float>(), N);
@@ -310,6 +319,32 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d
     }
     return y;
 }
+
+// The fp32 weight [N, K] a weight's blocks (as `block_linear` takes them) stand for, bitwise
+// `gguf`'s dequantization: with AVX-512 only (`dequantize_usable`; elsewhere the caller uses torch).
+template <int KIND>
+void dequantize_kind(const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& out) {
+    const int64_t K = out.size(1), N = out.size(0);
+    const Blocks<KIND> b = checked_blocks<KIND>(K, codes, d, m, N);
+    block_dequantize512(KIND, K, b.codes, b.d, b.m, b.code_stride, b.scale_stride, codes.size(0), out.data_ptr<float>(), N);
+}
+
+torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N, int64_t kind) {
+    TORCH_CHECK(g_avx512, "block_dequantize: needs AVX-512 (dequantize_usable)");
+    TORCH_CHECK(codes.dim() == 3, "block_dequantize: codes [P, K, bytes]");
+    auto out = torch::empty({N, codes.size(1)}, d.options().dtype(torch::kFloat32));
+    switch (kind) {
+        case Q4_0: dequantize_kind<Q4_0>(codes, d, m, out); break;
+        case Q4_1: dequantize_kind<Q4_1>(codes, d, m, out); break;
+        case Q8_0: dequantize_kind<Q8_0>(codes, d, m, out); break;
+        case Q4_K: dequantize_kind<Q4_K>(codes, d, m, out); break;
+        case Q6_K: dequantize_kind<Q6_K>(codes, d, m, out); break;
+        default: TORCH_CHECK(false, "block_dequantize: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+    }
+    return out;
+}
+
+bool dequantize_usable() { return g_avx512; }
 
 // One row's RMSNorm: out = w * (r / sqrt(mean(r^2) + eps)). The sum of squares runs in one fixed
 // order (eight lanes, then their sum), so a row's result never depends on the rows beside it.
@@ -574,4 +609,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pack", &pack);
     m.def("linear", &linear);
     m.def("block_linear", &block_linear);
+    m.def("block_dequantize", &block_dequantize);
+    m.def("dequantize_usable", &dequantize_usable);
 }
