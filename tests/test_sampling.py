@@ -188,16 +188,18 @@ def test_top_k_top_p_restrict_support():
     assert p[0, 0] == 1.0  # the first token alone has mass >= 0.5
 
 
-@pytest.mark.parametrize("proposal,subset,draft_dtype,tree", [("sample", None, None, None), ("greedy", None, None, None),
-                                                              ("sample", [0, 2, 5, 6], None, None),
-                                                              ("sample", None, torch.bfloat16, None),
-                                                              ("sample", None, None, 6), ("greedy", None, None, 6)])
-def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, draft_dtype, tree):
+@pytest.mark.parametrize("coupling,proposal,subset,draft_dtype,tree", [
+    ("rejection", "sample", None, None, None), ("rejection", "greedy", None, None, None),
+    ("rejection", "sample", [0, 2, 5, 6], None, None), ("rejection", "sample", None, torch.bfloat16, None),
+    ("rejection", "sample", None, None, 6), ("rejection", "greedy", None, None, 6),
+    ("gumbel", "sample", [0, 2, 5, 6], None, None), ("gumbel", "sample", None, torch.bfloat16, 6)])
+def test_engine_sampling_matches_exact_two_token_distribution(coupling, proposal, subset, draft_dtype, tree):
     """Speculative sampling's joint distribution of the first two new tokens equals the target's,
     computed exactly by enumeration (tiny vocabulary, temperature 1.5, top-k 5); also with a
     draft vocabulary subset (vocab.py), where q is zero outside the subset, with the drafter
     in bf16 beside an fp32 target (q is whatever the bf16 drafter computed), and with token
-    trees of 6 nodes (tree.py) of sampled and of argmax candidates."""
+    trees of 6 nodes (tree.py) of sampled and of argmax candidates; by rejection sampling and by
+    the Gumbel coupling (gumbel.py; test_gumbel.py has its chains and trees)."""
     target = tiny_target("llama", vocab=8, layers=3)
     draft = tiny_draft(target, block_size=4)
     if subset is not None:
@@ -216,7 +218,7 @@ def test_engine_sampling_matches_exact_two_token_distribution(proposal, subset, 
     counts = torch.zeros(8, 8)
     runs = 3000
     for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=2, stop_token_ids=(), proposal=proposal, tree_budget=tree,
+        cfg = GenerationConfig(max_new_tokens=2, stop_token_ids=(), proposal=proposal, tree_budget=tree, coupling=coupling,
                                block_size=4 if tree else None, sampling=SamplingParams(**params, seed=seed))
         a, b = engine.generate(prompt, cfg).token_ids
         counts[a, b] += 1

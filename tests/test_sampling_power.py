@@ -531,7 +531,7 @@ def run_batch(engine: Engine, rounds: int, new_tokens: int, copies: int = 1, see
             for _ in range(copies if sp.temperature else 1):
                 params = SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=seed + 1000 * r + len(got))
                 cfg = GenerationConfig(max_new_tokens=new_tokens, stop_token_ids=(), block_size=4, lookup=False,
-                                       proposal=proposal, tree_budget=tree, sampling=params)
+                                       proposal=proposal, tree_budget=tree, sampling=params, coupling="rejection")
                 seq, first = batch.join(ENGINE_PROMPT, cfg, GenerationStats())
                 got[id(seq)] = (i, list(first.tokens), [])
         while batch.sequences:

@@ -317,13 +317,14 @@ def test_bench_serve_runs_settings_side_by_side(engine, tmp_path):
     with ServerThread(create_app(engine, MODEL, max_batch=1)) as one, \
             ServerThread(create_app(engine, MODEL, max_batch=2)) as two:
         servers = [("max_batch=1", one.url), ("max_batch=2", two.url)]
-        levels = run_levels(servers, PROMPTS, [1, 2], 2, 60.0, 8, MODEL, log=lambda row: None)
-    assert [(v.setting, v.concurrency) for v in levels] == \
-        [("max_batch=1", 1), ("max_batch=2", 1), ("max_batch=1", 2), ("max_batch=2", 2)]
+        levels = run_levels(servers, PROMPTS, [1, 2], 2, 60.0, 8, MODEL, log=lambda row: None,
+                            temperatures=(0.0, 1.0))
+    assert [(v.setting, v.concurrency, v.temperature) for v in levels] == \
+        [(s, c, t) for t in (0.0, 1.0) for c in (1, 2) for s in ("max_batch=1", "max_batch=2")]
     for v in levels:
         assert v.requests == 2 and 2 <= v.tokens <= 16 and v.tokens_per_second > 0
         assert 0 < v.ttft_p50 <= v.ttft_p99 and v.tpot_p50 is not None
-    assert levels[0].ratio == 1.0 and levels[2].ratio == 1.0
+    assert levels[0].ratio == 1.0 and levels[2].ratio == 1.0 and levels[4].ratio == 1.0
     plot_levels(levels, str(tmp_path / "serve.png"))
     assert (tmp_path / "serve.png").stat().st_size > 0
 
@@ -333,12 +334,13 @@ def test_bench_serve_command_starts_its_servers(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     out = tmp_path / "serve.json"
-    assert main(["bench-serve", "--dataset", str(prompts), "--concurrency", "2", "--max-batch", "1,2",
-                 "--requests", "2", "--max-new-tokens", "6", "--json", str(out), "--plot",
-                 str(tmp_path / "serve.png")]) == 0
+    assert main(["bench-serve", "--dataset", str(prompts), "--concurrency", "2", "--max-batch", "2",
+                 "--draft", "bundled,none", "--temperature", "0,1", "--requests", "2", "--max-new-tokens", "6",
+                 "--json", str(out), "--plot", str(tmp_path / "serve.png")]) == 0
     table = capsys.readouterr().out
-    assert "max_batch=1" in table and "max_batch=2" in table
+    assert "draft=bundled,max_batch=2" in table and "draft=none,max_batch=2" in table
     levels = json.loads(out.read_text())["levels"]
-    assert [v["setting"] for v in levels] == ["max_batch=1", "max_batch=2"]
+    assert [(v["setting"], v["temperature"]) for v in levels] == \
+        [(f"draft={d},max_batch=2", t) for t in (0.0, 1.0) for d in ("bundled", "none")]
     assert all(v["requests"] == 2 and v["tokens"] > 0 for v in levels)
     assert (tmp_path / "serve.png").stat().st_size > 0

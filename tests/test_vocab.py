@@ -94,8 +94,8 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     proposed = []
     real = Proposers.propose_chain
 
-    def spy(self, logits, gen):
-        proposal = real(self, logits, gen)
+    def spy(self, logits, *rest):
+        proposal = real(self, logits, *rest)
         proposed.extend(proposal.drafts.tolist())
         return proposal
 

@@ -102,6 +102,13 @@ def add_activations_arg(p: argparse.ArgumentParser) -> None:
                         "this mode's own plain decoding, not float32's)")
 
 
+def add_coupling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coupling", choices=["gumbel", "rejection"], default="gumbel",
+                   help="at temperature > 0: gumbel (the default) ties each position's draw to the seed, so a "
+                        "seed gives plain sampling's text whatever the speculation; rejection: drafts verified "
+                        "by rejection sampling (docs/sampling.md)")
+
+
 DEFAULT_TREE = 16  # greedy decoding verifies token trees of up to 16 nodes unless told otherwise (docs/trees.md)
 
 

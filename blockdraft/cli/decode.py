@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import BlockdraftError
-from .common import add_activations_arg, add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
+from .common import add_activations_arg, add_coupling_arg, add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
 
 
 def cmd_generate(
@@ -14,6 +14,7 @@ def cmd_generate(
     max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
     block_size: int | None, stop: list[str], as_json: bool, device: str | None, lookup: bool = True,
     dtype: str = "auto", draft_dtype: str = "auto", tree: int | None = None, activations: str = "float32",
+    coupling: str = "gumbel",
 ) -> None:
     from ..decoding.engine import GenerationConfig, GenerationStats, TextStream
     from ..decoding.verify import SamplingParams
@@ -24,7 +25,7 @@ def cmd_generate(
     engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     base = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, block_size=block_size, stop_strings=tuple(stop),
-        lookup=lookup, tree_budget=tree_budget(tree, block_size, temperature, engine),
+        lookup=lookup, tree_budget=tree_budget(tree, block_size, temperature, engine), coupling=coupling,
     )
     tgt = engine.target
     use_chat = tgt.has_chat_template if chat is None else chat
@@ -150,6 +151,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    add_coupling_arg(g)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     add_tree_arg(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import BlockdraftError
-from .common import DRAFT_DTYPES, add_dtype_args, bundled_drafter, load_engine
+from .common import DRAFT_DTYPES, add_coupling_arg, add_dtype_args, bundled_drafter, load_engine
 
 
 def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, max_new_tokens: int,
@@ -16,7 +16,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
               dtype: str = "auto", draft_dtype: str = "auto", packed: bool = True,
               vllm_python: str | None = None, vllm_log: str = "runs/bench-vllm.log",
               journal: str | None = None, llamacpp: str | None = None,
-              llamacpp_log: str = "runs/bench-llamacpp.log") -> None:
+              llamacpp_log: str = "runs/bench-llamacpp.log", coupling: str = "gumbel") -> None:
     from ..evaluation.bench import dump, format_table, run_bench
     from ..evaluation.methods import check_methods, parse_method
     from ..evaluation.plot import plot_report
@@ -46,7 +46,7 @@ def cmd_bench(target: str, draft: str | None, dataset: str, limit: int | None, m
     try:
         report = run_bench(engine.target, engine.draft, prompts, chosen, max_new_tokens, block_size, temperature,
                            warmup, oracle_keep=oracle_keep, assistant=helper, references=refs, packed=packed,
-                           peer=peer, journal=journal,
+                           peer=peer, journal=journal, coupling=coupling,
                            journal_tags={"target": target, "draft": draft or "bundled", "dataset": dataset})
     except KeyboardInterrupt:
         if journal:
@@ -192,6 +192,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--temperature", type=float, default=0.0)
+    add_coupling_arg(b)
     b.add_argument("--methods", default="dflash,ar,hf,hf-pld",
                    help="comma-separated: dflash, ar, hf, hf-pld, hf-assisted, oracle, oracle@K; "
                         "NAME:B fixes the block of dflash or an oracle (oracle@0.9:16); "

@@ -13,6 +13,7 @@ request to its end; `Engine.generate` returns its `GenerationResult`."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -20,6 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from .adaptive import AdaptiveBlockPolicy, LoadPolicy, load_policy
+from .gumbel import Chooser, PositionNoise
 from ..models.checkpoint import check_fits
 from ..models.draft import DraftCache, DraftModel
 from ..models.kernels import draft_precision, prepack
@@ -35,11 +37,11 @@ from .tree import verify_tree_greedy, verify_tree_sampled
 from .verify import FIRST_CHUNK, SamplingParams, probs_from_logits, row_reader, sample, verify_greedy, verify_sampled
 
 
-def _choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
-    """The next token from one row of target logits [V]."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(probs_from_logits(logits, params), gen))
+def _choose(logits: torch.Tensor, choose: Chooser, gen, position: int) -> int:
+    """The token at `position` from its row of target logits [V]."""
+    if choose.deterministic:
+        return int(choose.pick(logits[None], [position])[0])
+    return int(sample(probs_from_logits(logits, choose.params), gen))
 
 
 @dataclass
@@ -51,21 +53,24 @@ class Outcome:
     path: list[int] | None = None  # a tree's accepted nodes, the root first
 
 
-def verify_proposal(out: TargetOutput, proposal: Proposal, params: SamplingParams, gen) -> Outcome:
+def verify_proposal(out: TargetOutput, proposal: Proposal, choose: Chooser, gen, position: int) -> Outcome:
     """The verdict on a proposal from the target's forward over [anchor, drafts] (or a tree's
-    nodes). The LM head runs lazily, on the rows the verdict reads (in chunks, verify.py)."""
-    drafts, tree = proposal.drafts, proposal.tree
+    nodes), the anchor at `position`. The LM head runs lazily, on the rows the verdict reads (in
+    chunks, verify.py). Greedy or Gumbel-coupled (gumbel.py), the target's token at each position
+    is a function of its row, so a verdict is an equality test; else rejection sampling."""
+    drafts, tree, params = proposal.drafts, proposal.tree, choose.params
+    after = position + 1  # row k predicts the token at position + 1 + k (a tree node's: + its depth)
     if drafts is None:
-        return Outcome(0, _choose(out.rows(0, 1)[0], params, gen))
+        return Outcome(0, _choose(out.rows(0, 1)[0], choose, gen, after))
     if tree is not None:
         row = row_reader(out.rows, len(tree))  # nodes are in order of value: the walk reads early rows
-        if params.greedy:
-            v = verify_tree_greedy(tree, lambda i: row(i).argmax())
+        if choose.deterministic:
+            v = verify_tree_greedy(tree, lambda i: choose.pick(row(i)[None], [after + tree.depths[i]])[0])
         else:
             v = verify_tree_sampled(tree, lambda i: probs_from_logits(row(i), params), gen)
         return Outcome(v.num_accepted, v.next_token, v.path)
-    if params.greedy:
-        v = verify_greedy(drafts, lambda a, b: out.rows(a, b).argmax(-1))
+    if choose.deterministic:
+        v = verify_greedy(drafts, lambda a, b: choose.pick(out.rows(a, b), list(range(after + a, after + b))))
     else:
         v = verify_sampled(drafts, lambda a, b: probs_from_logits(out.rows(a, b), params), proposal.q, gen)
     return Outcome(v.num_accepted, v.next_token)
@@ -79,7 +84,8 @@ class Sequence:
     stats: GenerationStats
     proposers: Proposers
     stopper: Stopper
-    gen: torch.Generator | None  # the request's own draws (None: greedy)
+    gen: torch.Generator | None  # the request's own draws with rejection sampling (else None)
+    choose: Chooser  # its token at a position from the target's row there (greedy, or Gumbel-coupled)
     taps: list[int] | None  # the target layers its drafter reads (None: no drafter)
     context: int  # the target's context length
     anchor: int = 0  # the last committed token, not yet in the cache
@@ -104,13 +110,15 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     from the prompt's last logits; the prompt's taps are the drafter's first context."""
     validate_request(target, prompt_ids, config)
     params = config.sampling
-    gen = None
+    gen, noise = None, None
     if not params.greedy:
-        gen = torch.Generator(device=target.device)
-        if params.seed is not None:
-            gen.manual_seed(params.seed)
-        else:  # a fresh seed for this generator alone (torch.seed() would reseed the global generator)
-            gen.seed()
+        # a fresh seed for this request alone (torch.seed() would reseed the global generator)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        if config.coupling == "gumbel":
+            noise = PositionNoise(seed, target.device)
+        else:
+            gen = torch.Generator(device=target.device).manual_seed(seed)
+    choose = Chooser(params, noise)
     proposers = Proposers.for_request(config, draft is not None, draft.block_size if draft else 1, policies)
     taps = draft.cfg.target_layer_ids if draft is not None and proposers.block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
@@ -119,8 +127,9 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
     out = target.forward(torch.tensor([prompt_ids], dtype=torch.long, device=target.device), cache, taps,
                          logits_at=1)
     target.rollback(cache, len(prompt_ids))  # nothing to undo: trims the past a forward records
-    seq = Sequence(prompt_ids, config, stats, proposers, Stopper(target, config, budget), gen, taps,
-                   target.max_context, anchor=_choose(out.rows(0, 1)[0], params, gen), position=len(prompt_ids),
+    seq = Sequence(prompt_ids, config, stats, proposers, Stopper(target, config, budget), gen, choose, taps,
+                   target.max_context, anchor=_choose(out.rows(0, 1)[0], choose, gen, len(prompt_ids)),
+                   position=len(prompt_ids),
                    pending_taps=[out.taps], draft_cache=DraftCache(len(draft.layers)) if taps else None)
     stats.prompt_tokens = len(prompt_ids)
     first = seq.stopper.clip([seq.anchor])
@@ -152,7 +161,8 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     if p.tree_budget is None:
         block = room if cap is not None and p.chain is not None else p.chain_block(room)
         if block > 1:
-            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.gen), p.top)
+            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.gen, seq.choose, seq.position),
+                               p.top)
         return Proposal(policy=p.chain)
     branch = p.lookup_branch(history, room)
     times.lap("lookup", clock())
@@ -160,7 +170,8 @@ def propose(seq: Sequence, target: Target, cap: int | None, clock: Callable[[], 
     size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
     if size > 1 and depth > 0:
         return DraftWanted(seq, depth + 1,
-                           lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen, resize=cap is None),
+                           lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen, resize=cap is None,
+                                                          choose=seq.choose, position=seq.position),
                            p.top, ranked=p.greedy_proposals)
     return Proposal(policy=p.tree)
 
@@ -235,10 +246,12 @@ class Batch:
         """With several sequences, the block choice for this many (None: each its own), planned
         with the sequences' expected tokens: a chain's own acceptance; a tree's or a lookup's, the
         shared chain rates; one whose block does not follow the batch's, one token a step."""
-        chain = self.policies.get(self.draft.block_size) if self.draft is not None else None
+        # the first sequence's temperature band's policies (greedy: the engine's own)
+        policies = self.sequences[0].proposers.policies if self.sequences else self.policies
+        chain = policies.get(self.draft.block_size) if self.draft is not None else None
         if len(self.sequences) < 2 or not isinstance(chain, AdaptiveBlockPolicy):
             return None
-        load = load_policy(self.policies, chain, len(self.sequences))
+        load = load_policy(policies, chain, len(self.sequences))
 
         def expected(p: Proposers, block: int) -> float:
             if p.own is not None:
@@ -285,7 +298,7 @@ class Batch:
             times = s.stats.step_seconds
             times.target += t_target
             times.mark = clock()
-            outcome = verify_proposal(mine, p, s.config.sampling, s.gen)
+            outcome = verify_proposal(mine, p, s.choose, s.gen, s.position)
             times.lap("verify", clock())
             step, keep = commit(s, p, outcome, mine)
             steps.append((s, step))

@@ -24,6 +24,7 @@ from .adaptive import AdaptiveBlockPolicy, SequenceRates, TreeBudgetPolicy
 from .lookup import lookup_proposals
 from ..models.vocab import Ranked, ranked, top_ids
 from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
+from .gumbel import Chooser
 from .verify import SamplingParams, probs_from_logits, sample
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
@@ -60,17 +61,22 @@ class Proposers:
     rates: TreeRates | None = None  # tree acceptance by (depth, rank)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     greedy_proposals: bool = True  # drafts are the drafter's top tokens (else drawn from q)
+    coupled: bool = False  # T > 0 with the Gumbel coupling: drafts are the drafter's best perturbed scores (gumbel.py)
+    policies: dict = field(default_factory=dict)  # the engine's policies for this request's temperature band
 
     @classmethod
     def for_request(cls, config, has_draft: bool, drafter_block: int, policies: dict) -> "Proposers":
         params = config.sampling
         block_size = 1 if not has_draft else (config.block_size or drafter_block)
-        # Choices follow measured timings; with a sampling seed they must not, or the same seed
-        # could give different text (the draws would fall differently), so a seed fixes them.
-        reproducible = not params.greedy and params.seed is not None
+        coupled = not params.greedy and config.coupling == "gumbel"
+        # Choices follow measured timings. With rejection sampling and a seed they must not, or the
+        # same seed could give different text (the draws would fall differently), so a seed fixes
+        # them; greedy or Gumbel-coupled, a position's token does not depend on the schedule.
+        reproducible = not params.greedy and params.seed is not None and not coupled
         adaptive = config.block_size is None and config.adaptive and not reproducible
-        greedy_proposals = params.greedy or config.proposal == "greedy"
-        p = cls(block_size, sampling=params, greedy_proposals=greedy_proposals)
+        greedy_proposals = params.greedy or coupled or config.proposal == "greedy"
+        policies = band_policies(policies, params)
+        p = cls(block_size, sampling=params, greedy_proposals=greedy_proposals, coupled=coupled, policies=policies)
         tree = config.tree_budget is not None and block_size > 1
         if has_draft and adaptive and not tree:
             p.chain = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
@@ -81,8 +87,9 @@ class Proposers:
             p.lookup = policies.setdefault("lookup", {})
         if tree:
             p.tree_budget = config.tree_budget
-            mode = "greedy" if params.greedy else "argmax" if greedy_proposals else "sampled"
-            # the rates depend on verdicts only, but a seeded request must not see another's
+            mode = "greedy" if params.greedy else "coupled" if coupled else "argmax" if greedy_proposals else "sampled"
+            # the rates depend on verdicts only, but a seeded request must not see another's (where
+            # the tree's shape changes its text: rejection sampling)
             p.rates = TreeRates() if reproducible else policies.setdefault(("tree rates", mode), TreeRates())
             if adaptive:
                 key = ("tree", config.tree_budget, block_size, config.lookup)
@@ -135,13 +142,17 @@ class Proposers:
         """What a draft forward returns for these proposals (`DraftWanted.top`): greedy, the best
         token ids (one per position for a chain, a tree's `WIDTH` candidates with the drafter's
         probability of each, `Ranked`); sampled, logits (0)."""
-        if not self.greedy_proposals:
+        if self.coupled or not self.greedy_proposals:
             return 0
         return WIDTH if self.tree_budget is not None else 1
 
-    def propose_chain(self, drafted: torch.Tensor, gen) -> Proposal:
-        """Drafts [n]: with greedy proposals the drafter's best token ids [n, 1], else drawn from the
-        draft logits [n, V], with the q they were drawn from."""
+    def propose_chain(self, drafted: torch.Tensor, gen, choose: Chooser | None = None, position: int = 0) -> Proposal:
+        """Drafts [n]: with greedy proposals the drafter's best token ids [n, 1]; coupled, the
+        argmax of its logits [n, V] perturbed by the noise of positions position + 1 .. + n; else
+        drawn from its logits, with the q they were drawn from."""
+        if self.coupled:
+            drafts = choose.pick(drafted, list(range(position + 1, position + 1 + drafted.shape[0])))
+            return Proposal(drafts, policy=self.chain, ran_draft=True)
         if self.greedy_proposals:
             return Proposal(drafted[:, 0], policy=self.chain, ran_draft=True)
         q = probs_from_logits(drafted, self.sampling)
@@ -173,12 +184,16 @@ class Proposers:
         return self.tree is not None and self.greedy_proposals
 
     def propose_tree(self, drafted: Ranked | torch.Tensor, anchor: int, size: int, lookup: list[int], gen,
-                     resize: bool = False) -> Proposal:
+                     resize: bool = False, choose: Chooser | None = None, position: int = 0) -> Proposal:
         """A tree of `size` nodes (and a lookup branch) from the drafter's best token ids and their
         probabilities [D, WIDTH] (greedy proposals), shaped by its confidence in each, or from its
         logits [D, V] (sampled proposals). `resize` (a lone sequence's adaptive size, `resizes`):
         the size is chosen again from this draft's own tree, whose expected tokens its confidence
-        tells (the plan before the draft knew only the average tree's, by ranks)."""
+        tells (the plan before the draft knew only the average tree's, by ranks). Coupled: the
+        candidates are the best perturbed scores of each position (its logits [D, V], the noise of
+        positions position + 1 .. + D), with the drafter's probability of each, as greedy ones."""
+        if self.coupled:
+            drafted = Ranked(*choose.best(drafted, list(range(position + 1, position + 1 + drafted.shape[0])), WIDTH))
         if self.greedy_proposals:
             resize = resize and self.resizes
             tree = build_tree(drafted.ids.tolist(), anchor, self.tree_budget if resize else size, self.rates, lookup,
@@ -193,6 +208,18 @@ class Proposers:
             device = drafted.device
         drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)
         return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
+
+
+BANDS = (0.5, 0.85, 1.15)  # temperature bands' upper ends (the last band: above them)
+
+
+def band_policies(policies: dict, params: SamplingParams) -> dict:
+    """The policies of a request's temperature band: greedy requests the engine's own dict, sampled
+    ones a dict per band (acceptance, and so what pays, falls with the temperature)."""
+    if params.greedy:
+        return policies
+    band = next((i for i, top in enumerate(BANDS) if params.temperature <= top), len(BANDS))
+    return policies.setdefault(("band", band), {})
 
 
 @dataclass

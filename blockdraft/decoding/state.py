@@ -23,7 +23,9 @@ class GenerationConfig:
     adaptive: bool = True  # with block_size None: choose each step's block; False: always the drafter's
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
-    proposal: str = "sample"  # at T > 0: "sample" drafts from q, "greedy" proposes argmax q
+    coupling: str = "gumbel"  # at T > 0: "gumbel" ties each position's draw to the seed (gumbel.py: the text
+    # does not depend on the schedule); "rejection": drafts verified by rejection sampling (verify.py)
+    proposal: str = "sample"  # with rejection sampling: "sample" drafts from q, "greedy" proposes argmax q
     lookup: bool = True  # also propose prompt-lookup continuations (lookup.py) where they pay
     tree_budget: int | None = None  # verify token trees of up to this many nodes instead of chains (tree.py):
     # adaptive n with block_size None (down to plain steps), else always this many; lookup as a branch
@@ -150,6 +152,8 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
         )
     if config.block_size is not None and not 1 <= config.block_size <= 256:
         raise BlockdraftError(f"block_size must be in [1, 256] (got {config.block_size})")
+    if config.coupling not in ("gumbel", "rejection"):
+        raise BlockdraftError(f"coupling must be 'gumbel' or 'rejection' (got {config.coupling!r})")
     if config.proposal not in ("sample", "greedy"):
         raise BlockdraftError(f"proposal must be 'sample' or 'greedy' (got {config.proposal!r})")
     if config.tree_budget is not None:

@@ -155,7 +155,8 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
               block_size: int | None = None, temperature: float = 0.0, warmup: int = 1,
               progress: bool = True, oracle_keep: float = 0.9, assistant=None,
               references: list[list[int]] | None = None, cost_repeats: int = 3, profile: bool = True,
-              packed: bool = True, peer=None, journal=None, journal_tags: dict | None = None) -> dict:
+              packed: bool = True, peer=None, journal=None, journal_tags: dict | None = None,
+              coupling: str = "gumbel") -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
     prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
@@ -164,7 +165,9 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     peer_vllm.VllmPeer or peer_llamacpp.LlamaCppPeer} for the other engines' methods. `journal`: a file where each prompt's figures are
     appended as it ends; the prompts it already holds (from an interrupted run of the same
     configuration) are not run again (journal.py). `journal_tags`: what else names the
-    configuration there (the target and drafter the caller loaded, the dataset)."""
+    configuration there (the target and drafter the caller loaded, the dataset). `coupling`: how
+    sampled methods draw (gumbel.py; with the Gumbel coupling every method of ours samples the same
+    text from the same seed, which is checked as greedy text is)."""
     from tqdm import tqdm
 
     methods = check_methods(tuple(methods))
@@ -173,7 +176,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     specs = {m: parse_method(m, oracle_keep) for m in methods}
     oracles = [m for m in methods if specs[m].name == "oracle"]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size, lookup=False,
-                           sampling=SamplingParams(temperature=temperature, seed=0))
+                           sampling=SamplingParams(temperature=temperature, seed=0), coupling=coupling)
     cfgs = {m: replace(cfg, block_size=specs[m].block_size or block_size, lookup=specs[m].lookup,
                        tree_budget=specs[m].tree_budget) for m in methods}
     if any(specs[m].name in ("dflash", "oracle") for m in methods) and draft is None:
@@ -290,9 +293,14 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             # a fixed block's or tree's verify size; an adaptive method's largest (a bound, not a forecast)
             report[m]["ceiling_speedup_vs_ar"] = round(ceiling_speedup(costs, tokens_per_step, verified[m]), 3)
     mismatches = []
-    reference = "hf" if "hf" in results else "ar" if "ar" in results else None  # plain greedy decoding
-    q8_reference = "ar+q8" if "ar+q8" in results else None  # the int8 mode's own plain decoding
-    for m, r in results.items() if temperature == 0 else ():
+    # plain decoding: greedy, transformers' or ours; sampled with the Gumbel coupling, ours (the same
+    # seed's text; transformers' sampler draws otherwise); with rejection sampling nothing compares
+    coupled = temperature == 0 or coupling == "gumbel"
+    reference = "hf" if "hf" in results and temperature == 0 else "ar" if "ar" in results and coupled else None
+    q8_reference = "ar+q8" if "ar+q8" in results and coupled else None  # the int8 mode's own plain decoding
+    for m, r in results.items() if coupled else ():
+        if temperature > 0 and specs[m].name.startswith("hf"):
+            continue
         peer_name, q8 = peer_of(specs[m].name), specs[m].q8
         if reference and ((peer_name and peer_name not in EXACT_PEERS) or q8):  # other numerics: how far the texts agree
             report[m]["agreement"] = agreement(r.outputs, results[reference].outputs)
@@ -314,7 +322,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             if report[m]["decode_tok_s"]:
                 report[m]["decode_speedup_vs_ar"] = round(report[m]["decode_tok_s"] / report["ar"]["decode_tok_s"], 3)
     return {"methods": report, "mismatches": mismatches,
-            "compared_against": (reference or q8_reference) if temperature == 0 else None,
+            "compared_against": reference or q8_reference, "coupling": coupling if temperature > 0 else None,
             "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "oracle_keep": {m: specs[m].keep for m in oracles} or None,
             "cost_model_seconds": costs and {"target_forward_by_tokens": costs["t_target"], "draft_forward": costs["t_draft"],

@@ -3,8 +3,9 @@
 N concurrent streaming clients (the official `openai` client) send chat requests over a prompt
 set, and each level reports output tokens per second (all clients together, over the level's
 wall time), time to first token (TTFT), time per output token after the first (TPOT, per
-request) and the gaps between streamed chunks (ITL), at p50 and p99. By default it starts one
-`blockdraft serve` process per `--max-batch` setting (a process of its own, as users run it:
+request) and the gaps between streamed chunks (ITL), at p50 and p99, at each `--temperature`
+(unseeded requests, as API users send them; 1 is the OpenAI API's default). By default it starts
+one `blockdraft serve` process per `--draft` and `--max-batch` setting (a process of its own, as users run it:
 clients in the server's process would share its interpreter lock and slow its engine) and
 drives the settings side by side at each level (`--max-batch 1,16`: one request at a time
 against the continuous batch), printing each one's ratio to the first setting; `--url` drives
@@ -46,6 +47,7 @@ class RequestTiming:
 class Level:
     setting: str  # "max_batch=8", or the URL
     concurrency: int
+    temperature: float
     requests: int
     tokens: int
     seconds: float
@@ -66,10 +68,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:
+async def _one(client, model: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> RequestTiming:
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=temperature,
         stream=True, stream_options={"include_usage": True})
     first = last = None
     gaps, tokens = [], 0
@@ -88,7 +90,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestTimin
 
 
 async def drive(url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_seconds: float,
-                max_tokens: int, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
+                max_tokens: int, api_key: str | None = None, temperature: float = 0.0) -> tuple[list[RequestTiming], float]:
     """`concurrency` clients, each sending its next request as soon as its last one ended, until
     `requests` were sent or `max_seconds` passed; the timings and the wall seconds."""
     import openai
@@ -103,7 +105,7 @@ async def drive(url: str, model: str, prompts: list[str], concurrency: int, requ
         while sent < requests and time.perf_counter() - t0 < max_seconds:
             prompt = prompts[sent % len(prompts)]
             sent += 1
-            timings.append(await _one(client, model, prompt, max_tokens))
+            timings.append(await _one(client, model, prompt, max_tokens, temperature))
 
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -112,12 +114,13 @@ async def drive(url: str, model: str, prompts: list[str], concurrency: int, requ
     return timings, time.perf_counter() - t0
 
 
-def summarise(setting: str, concurrency: int, timings: list[RequestTiming], seconds: float) -> Level:
+def summarise(setting: str, concurrency: int, timings: list[RequestTiming], seconds: float,
+              temperature: float = 0.0) -> Level:
     tokens = sum(t.tokens for t in timings)
     ttft = [t.ttft for t in timings]
     tpot = [t.tpot for t in timings if t.tpot is not None]
     gaps = [g for t in timings for g in t.gaps]
-    return Level(setting, concurrency, len(timings), tokens, round(seconds, 3), tokens / seconds if seconds else 0.0,
+    return Level(setting, concurrency, temperature, len(timings), tokens, round(seconds, 3), tokens / seconds if seconds else 0.0,
                  percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
                  percentile(gaps, 50), percentile(gaps, 99))
 
@@ -164,25 +167,28 @@ class ServerProcess:
 
 
 def run_levels(servers: list[tuple[str, str]], prompts: list[str], concurrency: list[int], requests: int | None,
-               max_seconds: float, max_tokens: int, model: str, api_key: str | None = None, log=print) -> list[Level]:
-    """Every concurrency level over every server, side by side: `servers` are (setting, URL)."""
+               max_seconds: float, max_tokens: int, model: str, api_key: str | None = None, log=print,
+               temperatures: tuple[float, ...] = (0.0,)) -> list[Level]:
+    """Every concurrency level at every temperature over every server, side by side: `servers`
+    are (setting, URL)."""
     levels = []
-    for c in concurrency:
-        n = requests or max(4, 2 * c)
-        first = None
-        for setting, url in servers:
-            # warm-up, not counted: one short request per client (a batch size's first steps measure its cost)
-            asyncio.run(drive(url, model, prompts, c, c, max_seconds, min(16, max_tokens), api_key))
-            timings, seconds = asyncio.run(drive(url, model, prompts, c, n, max_seconds, max_tokens, api_key))
-            level = summarise(setting, c, timings, seconds)
-            first = first or level
-            level.ratio = level.tokens_per_second / first.tokens_per_second if first.tokens_per_second else None
-            levels.append(level)
-            log(format_row(level))
+    for t in temperatures:
+        for c in concurrency:
+            n = requests or max(4, 2 * c)
+            first = None
+            for setting, url in servers:
+                # warm-up, not counted: one short request per client (a batch size's first steps measure its cost)
+                asyncio.run(drive(url, model, prompts, c, c, max_seconds, min(16, max_tokens), api_key, t))
+                timings, seconds = asyncio.run(drive(url, model, prompts, c, n, max_seconds, max_tokens, api_key, t))
+                level = summarise(setting, c, timings, seconds, t)
+                first = first or level
+                level.ratio = level.tokens_per_second / first.tokens_per_second if first.tokens_per_second else None
+                levels.append(level)
+                log(format_row(level))
     return levels
 
 
-HEADER = (f"{'setting':<14} {'conc':>4} {'reqs':>4} {'tokens':>6} {'tok/s':>7} {'ratio':>6} "
+HEADER = (f"{'setting':<26} {'temp':>4} {'conc':>4} {'reqs':>4} {'tokens':>6} {'tok/s':>7} {'ratio':>6} "
           f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}")
 
 
@@ -192,7 +198,7 @@ def _ms(x: float | None) -> str:
 
 def format_row(v: Level) -> str:
     ratio = "-" if v.ratio is None else f"{v.ratio:.2f}x"
-    return (f"{v.setting[:14]:<14} {v.concurrency:>4} {v.requests:>4} {v.tokens:>6} {v.tokens_per_second:>7.1f} "
+    return (f"{v.setting[:26]:<26} {v.temperature:>4} {v.concurrency:>4} {v.requests:>4} {v.tokens:>6} {v.tokens_per_second:>7.1f} "
             f"{ratio:>6} {_ms(v.ttft_p50):>9} {_ms(v.ttft_p99):>7} {_ms(v.tpot_p50):>9} {_ms(v.tpot_p99):>7} "
             f"{_ms(v.itl_p50):>8} {_ms(v.itl_p99):>7}")
 
@@ -204,8 +210,9 @@ def plot_levels(levels: list[Level], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for setting in dict.fromkeys(v.setting for v in levels):
-        mine = [v for v in levels if v.setting == setting]
+    for setting, t in dict.fromkeys((v.setting, v.temperature) for v in levels):
+        mine = [v for v in levels if (v.setting, v.temperature) == (setting, t)]
+        setting = setting if len({v.temperature for v in levels}) == 1 else f"{setting}, T={t}"
         x = [v.concurrency for v in mine]
         axes[0].plot(x, [v.tokens_per_second for v in mine], "o-", label=setting)
         axes[1].plot(x, [1000 * v.ttft_p50 for v in mine], "o-", label=setting)
@@ -218,6 +225,16 @@ def plot_levels(levels: list[Level], path: str) -> None:
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BlockdraftError(f"{what} must be comma-separated numbers (got {text!r})") from None
+    if not values or min(values) < 0 or max(values) > 2:
+        raise BlockdraftError(f"{what} must be in [0, 2] (got {text!r})")
+    return values
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -233,10 +250,13 @@ def _ints(text: str, what: str) -> list[int]:
 def cmd_bench_serve(target: str, draft: str | None, url: str | None, model_name: str | None, api_key: str | None,
                     dataset: str, limit: int | None, concurrency: str, max_batch: str, requests: int | None,
                     max_seconds: float, max_new_tokens: int, as_json: str | None, plot: str | None,
-                    device: str | None, dtype: str = "auto", draft_dtype: str = "auto") -> None:
+                    device: str | None, dtype: str = "auto", draft_dtype: str = "auto", temperature: str = "0") -> None:
     from .datasets import load_prompts
 
     levels_c, batches = _ints(concurrency, "--concurrency"), _ints(max_batch, "--max-batch")
+    temperatures = _floats(temperature, "--temperature")
+    # None: the bundled drafter (named 'bundled' in a list)
+    drafts = [None if d.strip() == "bundled" else d.strip() for d in draft.split(",")] if draft else [None]
     if max_new_tokens < 1 or max_seconds <= 0 or (requests is not None and requests < 1):
         raise BlockdraftError("--max-new-tokens, --max-seconds and --requests must be positive")
     prompts = load_prompts(dataset, limit)
@@ -245,21 +265,22 @@ def cmd_bench_serve(target: str, draft: str | None, url: str | None, model_name:
 
     def run(servers, key):
         return run_levels(servers, prompts, levels_c, requests, max_seconds, max_new_tokens, model, key,
-                          log=lambda row: print(row, flush=True))
+                          log=lambda row: print(row, flush=True), temperatures=temperatures)
 
     if url is not None:
         levels = run([(url, url)], api_key)
     else:
         common = ["--target", target, "--model-name", model, "--default-max-tokens", str(max_new_tokens),
                   "--max-queue", str(max(64, 2 * max(levels_c))), "--dtype", dtype, "--draft-dtype", draft_dtype]
-        common += ["--draft", draft] if draft else []
         common += ["--device", device] if device else []
         with ExitStack() as stack:
             servers = []
-            for mb in batches:
-                log = f"{as_json}.serve{mb}.log" if as_json else None
-                srv = stack.enter_context(ServerProcess(common + ["--max-batch", str(mb)], log))
-                servers.append((f"max_batch={mb}", srv.url))
+            for d in drafts:
+                for mb in batches:
+                    name = f"max_batch={mb}" if len(drafts) == 1 else f"draft={d or 'bundled'},max_batch={mb}"
+                    log = f"{as_json}.serve{mb}{'' if d is None else '-' + Path(d).name}.log" if as_json else None
+                    args = common + (["--draft", d] if d else []) + ["--max-batch", str(mb)]
+                    servers.append((name, stack.enter_context(ServerProcess(args, log)).url))
             levels = run(servers, None)
     if as_json:
         Path(as_json).write_text(json.dumps({"dataset": dataset, "max_new_tokens": max_new_tokens,
@@ -272,7 +293,10 @@ def add_parser(sub):
     b = sub.add_parser("bench-serve", help="drive the server with concurrent streaming clients: tokens/s, "
                        "TTFT, TPOT and ITL per concurrency level")
     b.add_argument("--target", default="smollm2-135m")
-    b.add_argument("--draft", default=None, help="drafter directory, or 'none' (default: the bundled one)")
+    b.add_argument("--draft", default=None, help="drafter directory, or 'none' (default: the bundled one); "
+                   "comma-separated: servers side by side ('bundled' names the default: bundled,none)")
+    b.add_argument("--temperature", default="0", help="request temperatures, comma-separated (0,1: greedy "
+                   "beside the OpenAI API's default; unseeded requests)")
     b.add_argument("--url", default=None, help="drive a running server instead of starting one")
     b.add_argument("--model-name", default=None, help="the model id to ask for (default: --target)")
     b.add_argument("--api-key", default=None, help="with --url: the server's key")

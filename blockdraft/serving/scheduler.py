@@ -370,6 +370,8 @@ class Scheduler:
         keeps its random generator's state)."""
         generated = list(a.text.tokens)
         config = replace(a.job.config, max_new_tokens=a.job.config.max_new_tokens - len(generated))
+        if a.seq.choose.noise is not None:  # Gumbel-coupled: the same seed's noise at the same positions
+            config = replace(config, sampling=replace(config.sampling, seed=a.seq.choose.noise.seed))
         seq, first = batch.join(a.job.prompt_ids + generated, config, a.seq.stats)
         if a.seq.gen is not None and seq.gen is not None:
             seq.gen.set_state(a.seq.gen.get_state())
