@@ -92,6 +92,29 @@ def test_costs_measured_in_a_slow_phase_are_measured_again(recheck):
         assert tail.count(4) < 50
 
 
+@pytest.mark.parametrize("recheck", [True, False])
+def test_a_plain_step_measured_slow_is_measured_again_while_the_drafter_runs(recheck):
+    """The first plain steps cost 1.6 (another process), then their true 1.0. One draft in four is
+    accepted and block 2 costs 1.35: with the true costs plain steps pay (1 token for 1.0 against
+    1.25 for 1.35), with the slow ones the drafter seemed to (1.25 for 1.35 against 1 for 1.6). The
+    policy must measure the plain step again and go back to it (the control: without re-measures,
+    as before plain steps were among them, it stayed on the drafter)."""
+    policy = AdaptiveBlockPolicy(16, recheck_every=32 if recheck else 10**9)
+    policy.passed[1], policy.tried[1] = 50.0, 200  # draft 1 accepted a quarter of the time
+    policy.tried[2] = 200
+    chosen = []
+    for step in range(600):
+        b = policy.choose()
+        chosen.append(b)
+        cost = 1.0 if b == 1 else 1.35 + 0.05 * (b - 2)
+        policy.update(b, 1 if b > 1 and step % 4 == 0 else 0, cost * (1.6 if b == 1 and step < 10 else 1.0))
+    tail = chosen[-100:]
+    if recheck:
+        assert tail.count(1) >= 95
+    else:
+        assert tail.count(1) < 50
+
+
 def test_poor_acceptance_chooses_plain_decoding():
     tail = simulate(0, cpu_like)
     assert tail.count(1) >= 18  # plain steps, with an occasional full-block probe

@@ -129,14 +129,17 @@ class AdaptiveBlockPolicy:
 
     def stale_block(self, best: int) -> int | None:
         """A block to measure again instead of `best` (see the module doc), or None. Only while the
-        drafter runs (best > 1): while plain steps are best, the probes measure it again."""
+        drafter runs (best > 1): while plain steps are best, the probes measure it again. A plain
+        step is a candidate too: one plain step measured slow (a first call, another process) would
+        otherwise keep the drafter running where it does not pay, never measured again."""
         if best == 1 or self.steps - self.last_recheck < self.recheck_every:
             return None
         top, bar = None, self.recheck_gain * self.rate(best)
-        for b in range(2, self.max_block + 1):
+        for b in range(1, self.max_block + 1):
             if b == best or self.steps - self.measured_at.get(b, -self.stale_after) < self.stale_after:
                 continue
-            floor = self.step_cost(best if b > best else 1)  # a longer block never costs less than a shorter
+            # a longer block never costs less than a shorter one (a plain step: no floor)
+            floor = self.step_cost(best) if b > best else self.step_cost(1) if b > 1 else 0.0
             hoped = self.expected_tokens(b) / max(floor, self.optimism * self.step_cost(b))
             if hoped > bar:
                 top, bar = b, hoped
