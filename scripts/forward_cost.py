@@ -10,6 +10,7 @@ alternating): on the few-row kernel (few_rows.py) against oneDNN's packed one (d
     python scripts/forward_cost.py --small-rows   # oneDNN's few-row choice: streamed against in the cache
     python scripts/forward_cost.py --blocks       # the GGUF target's block calls: AVX-512, AVX2, int8 activations
     python scripts/forward_cost.py --step         # the target forward, llama_step.py against transformers' modules
+    python scripts/forward_cost.py --prefill 2000 # a long prompt's prefill, GGUF blocks against fp32 weights
 """
 
 import argparse
@@ -304,6 +305,39 @@ def small_rows_compared(target, tokens: list[int]) -> None:
     print("streamed        " + "".join(f"{streamed[b]:8.1f}" for b in tokens))
 
 
+def prefill_compared(prompt_tokens: int) -> None:
+    """A long prompt's prefill (one forward, the last row's logits) on the GGUF target computing
+    from its blocks against the same model on its fp32 weights: three runs each after a warm-up."""
+    import time
+
+    from blockdraft.models.gguf_blocks import dequantize, dequantize_torch
+    from blockdraft.models.gguf_target import BlockLinear
+
+    ids = torch.randint(100, 40_000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    for blocks in (True, False):
+        target = load_target("smollm2-135m", blocks=blocks)
+
+        def prefill():
+            with torch.inference_mode():
+                target.forward(ids, target.new_cache(), None, logits_at=1)
+
+        prefill()
+        runs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            prefill()
+            runs.append(time.perf_counter() - t)
+        print(f"{'GGUF blocks' if blocks else 'fp32 weights'}: a {prompt_tokens}-token prefill "
+              + ", ".join(f"{r:.2f}" for r in runs) + " s")
+        if blocks:
+            layers = [m.panels for m in target.model.modules() if isinstance(m, BlockLinear)]
+            for name, fn in (("the extension", dequantize), ("torch's ops", dequantize_torch)):
+                t = time.perf_counter()
+                for panels in layers:
+                    fn(panels)
+                print(f"  dequantizing its {len(layers)} block layers by {name}: {time.perf_counter() - t:.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,2,4,8,16")
@@ -317,12 +351,16 @@ def main() -> None:
                         help="with --draft: evict the CPU's caches before each call, as in a decode step")
     parser.add_argument("--blocks", action="store_true", help="the GGUF block kernel's calls, AVX-512 against AVX2")
     parser.add_argument("--step", action="store_true", help="the forward, llama_step.py against transformers' modules")
+    parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="a prompt's prefill on the GGUF blocks against the fp32 weights")
     parser.add_argument("--small-rows", action="store_true",
                         help="oneDNN's few-row kernel choice measured streamed against in the cache")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.linear:
         return linear_ms(tokens)
+    if args.prefill:
+        return prefill_compared(args.prefill)
     target = load_target("smollm2-135m")
     if args.small_rows:
         return small_rows_compared(target, tokens)

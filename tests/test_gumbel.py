@@ -120,30 +120,3 @@ def test_unseeded_requests_differ_and_rejection_sampling_stays_available():
     seeded = GenerationConfig(max_new_tokens=16, stop_token_ids=(), coupling="rejection",
                               sampling=SamplingParams(1.0, seed=5))
     assert engine.generate([4, 5, 6], seeded).token_ids == engine.generate([4, 5, 6], seeded).token_ids
-
-
-@pytest.mark.parametrize("tree", [None, 6])
-def test_coupled_speculation_keeps_the_exact_two_token_law(tree):
-    """End to end through the engine (tiny vocabulary, temperature 1.5, top-k 5): the first two
-    tokens over 3000 seeds against the law computed by enumeration (as test_sampling's test of
-    rejection sampling)."""
-    target = tiny_target("llama", vocab=8, layers=3)
-    engine = Engine(target, tiny_draft(target, block_size=4))
-    sp = SamplingParams(1.5, top_k=5)
-    prompt = [1, 2, 3]
-    with torch.inference_mode():
-        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], sp)
-        exact = torch.zeros(8, 8)
-        for a in range(8):
-            if p1[a] > 0:
-                exact[a] = p1[a] * probs_from_logits(target.model(torch.tensor([prompt + [a]])).logits[0, -1], sp)
-    runs = 3000
-    counts = torch.zeros(8, 8)
-    for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=2, stop_token_ids=(), block_size=4, tree_budget=tree,
-                               sampling=SamplingParams(1.5, top_k=5, seed=seed))
-        a, b = engine.generate(prompt, cfg).token_ids
-        counts[a, b] += 1
-    assert power_at_tv(exact, runs, 0.09) > 0.99
-    assert not rejected(battery(counts, exact))
-

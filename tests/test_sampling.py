@@ -192,14 +192,15 @@ def test_top_k_top_p_restrict_support():
     ("rejection", "sample", None, None, None), ("rejection", "greedy", None, None, None),
     ("rejection", "sample", [0, 2, 5, 6], None, None), ("rejection", "sample", None, torch.bfloat16, None),
     ("rejection", "sample", None, None, 6), ("rejection", "greedy", None, None, 6),
-    ("gumbel", "sample", [0, 2, 5, 6], None, None), ("gumbel", "sample", None, torch.bfloat16, 6)])
+    ("gumbel", "sample", None, None, None), ("gumbel", "sample", [0, 2, 5, 6], None, None),
+    ("gumbel", "sample", None, torch.bfloat16, 6)])
 def test_engine_sampling_matches_exact_two_token_distribution(coupling, proposal, subset, draft_dtype, tree):
     """Speculative sampling's joint distribution of the first two new tokens equals the target's,
     computed exactly by enumeration (tiny vocabulary, temperature 1.5, top-k 5); also with a
     draft vocabulary subset (vocab.py), where q is zero outside the subset, with the drafter
     in bf16 beside an fp32 target (q is whatever the bf16 drafter computed), and with token
     trees of 6 nodes (tree.py) of sampled and of argmax candidates; by rejection sampling and by
-    the Gumbel coupling (gumbel.py; test_gumbel.py has its chains and trees)."""
+    the Gumbel coupling (gumbel.py; test_gumbel.py: its text equals plain sampling's)."""
     target = tiny_target("llama", vocab=8, layers=3)
     draft = tiny_draft(target, block_size=4)
     if subset is not None:

@@ -23,42 +23,29 @@ one draft can; the Gumbel coupling accepts a little less per position (docs/samp
 both), but needs no q, keeps the text fixed by the seed, and makes trees at T > 0 as cheap as
 greedy ones.
 
-The noise: 32-bit uniforms from torch's CPU generator seeded with a 64-bit mix of (seed, position)
-(splitmix64's finalizer), turned into Gumbel noise in fp32 (a uniform of 0 gives -inf: a token never
-chosen, probability 2^-24 each). Generated on the CPU whatever the device, so that a seed gives the
-same text on every device whose logits agree.
+The noise: numpy's Philox, a counter-based generator (what torch's CPU generator is not), keyed
+by the seed with its counter starting at the position, gives fp32 uniforms, turned into Gumbel
+noise (a uniform of 0 gives -inf: a token never chosen, probability 2^-24 each). Generated on the
+CPU whatever the device, so that a seed gives the same text on every device whose logits agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .verify import SamplingParams, probs_from_logits
 
-MASK64 = (1 << 64) - 1
 KEEP = 64  # positions of noise a request keeps (the block being verified and the next ones)
 
 
-def mix64(x: int) -> int:
-    """splitmix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
-    x &= MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def position_key(seed: int, position: int) -> int:
-    """The generator seed of (request seed, position): distinct positions of one seed, and the same
-    position of distinct seeds, get unrelated keys."""
-    return mix64(mix64(seed) ^ (position * 0x9E3779B97F4A7C15))
-
-
 def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [V] fp32 for one position (CPU)."""
-    gen = torch.Generator().manual_seed(position_key(seed, position))
-    u = torch.rand(vocab, generator=gen)
+    """Standard Gumbel noise [V] fp32 for one position (CPU). The position is the counter's top
+    word: one position's draws count up from it in the low words, never reaching the next's."""
+    gen = np.random.Generator(np.random.Philox(key=seed, counter=[0, 0, 0, position]))
+    u = torch.from_numpy(gen.random(vocab, dtype=np.float32))
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
