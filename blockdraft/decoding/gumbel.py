@@ -70,13 +70,16 @@ class PositionNoise:
         return rows
 
 
-def perturbed(logits: torch.Tensor, noise: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def perturbed(logits: torch.Tensor, noise: torch.Tensor, params: SamplingParams,
+              probs: torch.Tensor | None = None) -> torch.Tensor:
     """logits / T + g on the support top-k and top-p leave (-inf elsewhere) [n, V]: its argmax is
     an exact draw from `probs_from_logits(logits, params)` (log of those probabilities is
-    logits / T less one constant per row on the support)."""
+    logits / T less one constant per row on the support). `probs`: those probabilities where the
+    caller has them already."""
     scores = logits.float() / params.temperature
     if params.top_k or params.top_p < 1.0:
-        scores = scores.masked_fill(probs_from_logits(logits, params) == 0, float("-inf"))
+        probs = probs_from_logits(logits, params) if probs is None else probs
+        scores = scores.masked_fill(probs == 0, float("-inf"))
     return scores + noise
 
 
@@ -105,6 +108,7 @@ class Chooser:
     def best(self, logits: torch.Tensor, positions: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A drafter's `k` best proposals of each position [n, k] by the same perturbed scores (its
         first: its coupled sample), and its probability of each [n, k] (a tree's confidence)."""
-        scores = perturbed(logits, self.noise.rows(positions, logits.shape[-1]), self.params)
+        probs = probs_from_logits(logits, self.params)  # [n, V]: the confidence, and the filters' support
+        scores = perturbed(logits, self.noise.rows(positions, logits.shape[-1]), self.params, probs)
         ids = scores.topk(min(k, scores.shape[-1]), dim=-1).indices
-        return ids, probs_from_logits(logits, self.params).gather(-1, ids)
+        return ids, probs.gather(-1, ids)

@@ -211,36 +211,35 @@ void dequantize_panels(const R& w, int64_t P, int64_t K, float* out, int64_t N) 
 
 }  // namespace
 
+// f(the reader of a weight's blocks, `Blocks16<kind>`), for each of the kinds.
+template <typename F>
+void with_blocks16(int kind, const uint8_t* codes, const void* d, const void* m, int64_t code_stride,
+                   int64_t scale_stride, F&& f) {
+    const char* dc = static_cast<const char*>(d);
+    const char* mc = static_cast<const char*>(m);
+    switch (kind) {
+        case Q4_0: f(Blocks16<Q4_0>{codes, dc, mc, code_stride, scale_stride}); break;
+        case Q4_1: f(Blocks16<Q4_1>{codes, dc, mc, code_stride, scale_stride}); break;
+        case Q8_0: f(Blocks16<Q8_0>{codes, dc, mc, code_stride, scale_stride}); break;
+        case Q4_K: f(Blocks16<Q4_K>{codes, dc, mc, code_stride, scale_stride}); break;
+        case Q6_K: f(Blocks16<Q6_K>{codes, dc, mc, code_stride, scale_stride}); break;
+        default: TORCH_CHECK(false, "blocks512: unknown block kind");
+    }
+}
+
 // The fp32 weight [N, K] of a weight's blocks (laid out as `block_run512` reads them; K a multiple
 // of 32, checked by the caller) into `out`.
 void block_dequantize512(int kind, int64_t K, const uint8_t* codes, const void* d, const void* m,
                          int64_t code_stride, int64_t scale_stride, int64_t P, float* out, int64_t N) {
-    const char* dc = static_cast<const char*>(d);
-    const char* mc = static_cast<const char*>(m);
-    switch (kind) {
-        case Q4_0: dequantize_panels(Blocks16<Q4_0>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
-        case Q4_1: dequantize_panels(Blocks16<Q4_1>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
-        case Q8_0: dequantize_panels(Blocks16<Q8_0>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
-        case Q4_K: dequantize_panels(Blocks16<Q4_K>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
-        case Q6_K: dequantize_panels(Blocks16<Q6_K>{codes, dc, mc, code_stride, scale_stride}, P, K, out, N); break;
-        default: TORCH_CHECK(false, "block_dequantize512: unknown block kind");
-    }
+    with_blocks16(kind, codes, d, m, code_stride, scale_stride,
+                  [&](const auto& w) { dequantize_panels(w, P, K, out, N); });
 }
 
 // x [M, K] fp32 against a weight's blocks (already checked by the caller, few_rows.cpp's
 // `block_run`) -> y [M, N].
 void block_run512(int kind, const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* d,
                   const void* m, int64_t code_stride, int64_t scale_stride, int64_t P, float* y, int64_t N) {
-    const char* dc = static_cast<const char*>(d);
-    const char* mc = static_cast<const char*>(m);
-    switch (kind) {
-        case Q4_0: run(x, M, K, Blocks16<Q4_0>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q4_1: run(x, M, K, Blocks16<Q4_1>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q8_0: run(x, M, K, Blocks16<Q8_0>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q4_K: run(x, M, K, Blocks16<Q4_K>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        case Q6_K: run(x, M, K, Blocks16<Q6_K>{codes, dc, mc, code_stride, scale_stride}, P, y, N); break;
-        default: TORCH_CHECK(false, "block_run512: unknown block kind");
-    }
+    with_blocks16(kind, codes, d, m, code_stride, scale_stride, [&](const auto& w) { run(x, M, K, w, P, y, N); });
 }
 
 // x [M, K] fp32 against panels [P][K][16] (already checked by few_rows.cpp's `linear`) of fp32

@@ -17,6 +17,7 @@
 
 #include "units.h"
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -304,19 +305,25 @@ void block_run(const torch::Tensor& x, const torch::Tensor& codes, const torch::
         run(x.data_ptr<float>(), M, K, blocks, P, y.data_ptr<float>(), N);
 }
 
+// f(std::integral_constant<int, kind>) for each of the block kinds; `what` names the caller in the error.
+template <typename F>
+void by_kind(int64_t kind, const char* what, F&& f) {
+    switch (kind) {
+        case Q4_0: f(std::integral_constant<int, Q4_0>{}); break;
+        case Q4_1: f(std::integral_constant<int, Q4_1>{}); break;
+        case Q8_0: f(std::integral_constant<int, Q8_0>{}); break;
+        case Q4_K: f(std::integral_constant<int, Q4_K>{}); break;
+        case Q6_K: f(std::integral_constant<int, Q6_K>{}); break;
+        default: TORCH_CHECK(false, what, ": kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
+    }
+}
+
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t N,
                            int64_t kind) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_linear: 2-D float32 rows");
     x = x.contiguous();
     auto y = torch::empty({x.size(0), N}, x.options());
-    switch (kind) {
-        case Q4_0: block_run<Q4_0>(x, codes, d, m, y); break;
-        case Q4_1: block_run<Q4_1>(x, codes, d, m, y); break;
-        case Q8_0: block_run<Q8_0>(x, codes, d, m, y); break;
-        case Q4_K: block_run<Q4_K>(x, codes, d, m, y); break;
-        case Q6_K: block_run<Q6_K>(x, codes, d, m, y); break;
-        default: TORCH_CHECK(false, "block_linear: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
-    }
+    by_kind(kind, "block_linear", [&](auto k) { block_run<decltype(k)::value>(x, codes, d, m, y); });
     return y;
 }
 
@@ -333,14 +340,7 @@ torch::Tensor block_dequantize(torch::Tensor codes, torch::Tensor d, torch::Tens
     TORCH_CHECK(g_avx512, "block_dequantize: needs AVX-512 (dequantize_usable)");
     TORCH_CHECK(codes.dim() == 3, "block_dequantize: codes [P, K, bytes]");
     auto out = torch::empty({N, codes.size(1)}, d.options().dtype(torch::kFloat32));
-    switch (kind) {
-        case Q4_0: dequantize_kind<Q4_0>(codes, d, m, out); break;
-        case Q4_1: dequantize_kind<Q4_1>(codes, d, m, out); break;
-        case Q8_0: dequantize_kind<Q8_0>(codes, d, m, out); break;
-        case Q4_K: dequantize_kind<Q4_K>(codes, d, m, out); break;
-        case Q6_K: dequantize_kind<Q6_K>(codes, d, m, out); break;
-        default: TORCH_CHECK(false, "block_dequantize: kind is Q4_0, Q4_1, Q8_0, Q4_K or Q6_K");
-    }
+    by_kind(kind, "block_dequantize", [&](auto k) { dequantize_kind<decltype(k)::value>(codes, d, m, out); });
     return out;
 }
 
