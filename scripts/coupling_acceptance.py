@@ -23,25 +23,25 @@ def collect(temperature: float, prompts: int, tokens: int) -> tuple[torch.Tensor
     """(target logits, drafter logits) [N, V] at the first draft position of each drafting step."""
     engine = load_engine("smollm2-135m", None, None, "auto", "auto")
     pairs, drafted = [], {}
-    chain, verdict = Proposers.propose_chain, engine_module.verify_proposal
+    chain, verdict = Proposers.propose_chain, engine_module.verify
 
     def spy_chain(self, logits, *rest):
         drafted["q"] = logits[0].float().clone()
         return chain(self, logits, *rest)
 
-    def spy_verify(out, proposal, *rest):
-        if proposal.drafts is not None and proposal.tree is None and "q" in drafted:
-            pairs.append((out.rows(0, 1)[0].float().clone(), drafted.pop("q")))
-        return verdict(out, proposal, *rest)
+    def spy_verify(draft, rows, *rest):
+        if len(draft) > 1 and draft.is_chain and "q" in drafted:
+            pairs.append((rows(0, 1)[0].float().clone(), drafted.pop("q")))
+        return verdict(draft, rows, *rest)
 
-    Proposers.propose_chain, engine_module.verify_proposal = spy_chain, spy_verify
+    Proposers.propose_chain, engine_module.verify = spy_chain, spy_verify
     try:
         for i, text in enumerate(load_prompts("mt-bench", prompts)):
             ids = engine.target.encode_prompt(text, True)
             engine.generate(ids, GenerationConfig(max_new_tokens=tokens, block_size=2, lookup=False,
                                                   sampling=SamplingParams(temperature, seed=i)))
     finally:
-        Proposers.propose_chain, engine_module.verify_proposal = chain, verdict
+        Proposers.propose_chain, engine_module.verify = chain, verdict
     return torch.stack([p for p, _ in pairs]), torch.stack([q for _, q in pairs])
 
 

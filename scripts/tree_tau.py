@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from blockdraft.cli.common import load_engine
 from blockdraft.decoding.engine import GenerationConfig
+from blockdraft.decoding.planner import Policies
 from blockdraft.decoding.tree import CONFIDENCE_EDGES, LOOKUP, TreeRates, confidence_key, tried_nodes
 from blockdraft.evaluation.datasets import load_prompts
 
@@ -82,8 +83,8 @@ def main() -> None:
     for budget in map(int, args.budgets.split(",")):
         taus = []
         for by_confidence in (False, True):
-            engine.policies.clear()  # each row learns its rates from scratch, as a fresh engine would
-            rates = engine.policies[("tree rates", "greedy")] = LoggedRates(by_confidence=by_confidence)
+            engine.policies = Policies()  # each row learns its rates from scratch, as a fresh engine would
+            rates = engine.policies.tree_rates["greedy"] = LoggedRates(by_confidence=by_confidence)
             accepted = steps = 0
             for ids in prompts:
                 cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, lookup=False,

@@ -38,7 +38,8 @@ import torch
 
 from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.decoding.oracle import OracleDraft
-from blockdraft.decoding.tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, verify_tree_sampled
+from blockdraft.decoding.tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates
+from blockdraft.decoding.verify import verify_tree_sampled
 from blockdraft.decoding.verify import SamplingParams, probs_from_logits, verify_sampled
 
 from conftest import tiny_draft, tiny_target
@@ -571,6 +572,7 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
     row read from another sequence, depth, cache state or filter would show here at any size."""
     from blockdraft.decoding import engine as engine_module
     from blockdraft.decoding import propose as propose_module
+    from blockdraft.decoding import verify as verify_module
 
     target = engine_target()
     engine, _ = oracle_engine(target)
@@ -608,17 +610,21 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
             want = engine_rows(target, seq.config.sampling, [context + paths[i] for i in rows])
             torch.testing.assert_close(got[rows], want, rtol=0, atol=2e-4)
 
-    real_chain, real_tree = engine_module.verify_sampled, engine_module.verify_tree_sampled
+    real_chain, real_tree = verify_module.verify_sampled, verify_module.verify_tree_sampled
 
     def chain(drafts, p, q, generator=None, first_chunk=None):
-        seq, n = seqs[id(generator)], drafts.shape[0]
-        listed = drafts.tolist()
+        n, listed = len(drafts), list(drafts)
+        if n == 0:  # a plain step (or the prefill's token): no drafts to check
+            return real_chain(drafts, p, q, generator, first_chunk)
+        seq = seqs[id(generator)]
         expect(seq, [listed[:k] for k in range(n + 1)], p(0, n + 1))
         if seq.config.proposal == "greedy":
             assert q is None
         else:
             probs, draws = drawn.pop(id(generator))
-            assert q is probs and torch.equal(draws, drafts)
+            # a chain's draws [n]; a chain-shaped tree's candidates [D][width], its rank-0 ones on the path
+            drafted = draws.tolist() if isinstance(draws, torch.Tensor) else [c[0] for c in draws[:n]]
+            assert q is probs and drafted == listed
         checked["chain"][n] += 1
         return real_chain(drafts, p, q, generator, first_chunk)
 
@@ -643,8 +649,8 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
     monkeypatch.setattr(engine_module.Batch, "join", join)
     monkeypatch.setattr(propose_module, "sample", sample)
     monkeypatch.setattr(propose_module, "draft_candidates", candidates)
-    monkeypatch.setattr(engine_module, "verify_sampled", chain)
-    monkeypatch.setattr(engine_module, "verify_tree_sampled", tree)
+    monkeypatch.setattr(verify_module, "verify_sampled", chain)
+    monkeypatch.setattr(verify_module, "verify_tree_sampled", tree)
     runs = run_batch(engine, rounds=4, new_tokens=32)
     greedy = Engine(target).generate(ENGINE_PROMPT, GenerationConfig(max_new_tokens=32, stop_token_ids=()))
     assert all(tokens == tuple(greedy.token_ids) for tokens, _ in runs[-1])  # the greedy row, among them
@@ -677,16 +683,16 @@ def test_the_engine_keeps_the_target_law_in_a_batch_of_mixed_rows(sampler, monke
     TV 0.015; its negative control is a verdict whose depth-3 rows (the second lazy chunk of a
     chain, a tree's second-level nodes) are mixed 15% with the row before (TV ~0.15 there), which
     every row's test rejects with power > 0.99 (computed from the reach measured per context)."""
-    from blockdraft.decoding import engine as engine_module
+    from blockdraft.decoding import verify as verify_module
 
     target = engine_target()
     engine, greedy = oracle_engine(target)
     if sampler != "library":
-        real_chain, real_tree = engine_module.verify_sampled, engine_module.verify_tree_sampled
+        real_chain, real_tree = verify_module.verify_sampled, verify_module.verify_tree_sampled
 
         def chain(drafts, p, q, generator=None, first_chunk=None):
-            rows = p(0, drafts.shape[0] + 1).clone()
-            if drafts.shape[0] >= DEPTH:
+            rows = p(0, len(drafts) + 1).clone()
+            if len(drafts) >= DEPTH:
                 rows[DEPTH - 1] = (1 - MIX) * rows[DEPTH - 1] + MIX * rows[DEPTH - 2]
             return real_chain(drafts, rows, q, generator, first_chunk)
 
@@ -698,8 +704,8 @@ def test_the_engine_keeps_the_target_law_in_a_batch_of_mixed_rows(sampler, monke
 
             return real_tree(t, mixed, generator)
 
-        monkeypatch.setattr(engine_module, "verify_sampled", chain)
-        monkeypatch.setattr(engine_module, "verify_tree_sampled", tree)
+        monkeypatch.setattr(verify_module, "verify_sampled", chain)
+        monkeypatch.setattr(verify_module, "verify_tree_sampled", tree)
     runs = run_batch(engine, rounds=ENGINE_ROUNDS, new_tokens=ENGINE_TOKENS, seed=10 ** 6)
     for (params, proposal, tree_budget), run in zip(ROWS, runs):
         if params.greedy:

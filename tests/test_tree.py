@@ -8,8 +8,8 @@ import torch
 from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.oracle import OracleDraft
-from blockdraft.decoding.tree import (LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate,
-                             verify_tree_greedy, verify_tree_sampled)
+from blockdraft.decoding.tree import LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
+from blockdraft.decoding.verify import verify_tree_greedy, verify_tree_sampled
 
 from conftest import tiny_draft, tiny_target
 from test_adaptive import SimulatedClock
@@ -153,10 +153,9 @@ def test_the_cache_after_a_tree_step_equals_a_fresh_prefill(pick):
     a path of the first nodes (a crop) and one of later nodes (entries moved)."""
     target = tiny_target("qwen3")
     prompt = PROMPTS[1]
-    draft = tiny_draft(target, block_size=8)
     cache = target.new_cache()
     target.forward(torch.tensor([prompt]), cache, logits_at=1)
-    logits = torch.randn(7, target.vocab_size)
+    logits = torch.randn(7, target.vocab_size)  # a drafter's, for 7 block positions
     tree = build_tree(draft_candidates(logits, 3, False), anchor=7, budget=12, rates=TreeRates())
     with torch.inference_mode():
         out = target.forward(torch.tensor([tree.tokens]), cache, tree=tree)
@@ -186,7 +185,6 @@ def test_the_cache_after_a_tree_step_equals_a_fresh_prefill(pick):
                 j = tree.parents[j]
             alone = target.model(torch.tensor([prompt + toks[::-1]])).logits[0, -1]
             torch.testing.assert_close(out.rows(i, i + 1)[0], alone, rtol=1e-4, atol=1e-4)
-    assert draft is not None
 
 
 def test_trees_are_refused_where_they_cannot_run():
@@ -223,14 +221,14 @@ def exact_joint() -> torch.Tensor:
 
 def sample_toy(draws: int, sampled: bool, lookup: bool, wrong_rule: bool = False, seed: int = 0) -> torch.Tensor:
     """The first 3 tokens of `draws` generations by tree steps of 8 nodes over a 3-deep block."""
-    from blockdraft.decoding import tree as tree_mod
+    from blockdraft.decoding import verify as verify_mod
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.softmax(torch.randn(3, V_TOY, generator=torch.Generator().manual_seed(99)), -1)  # [D, V] far from p
     rates = TreeRates()
-    proposal = tree_mod._proposal
+    proposal = verify_mod._proposal
     if wrong_rule:  # forget that later siblings were drawn without the earlier ones
-        tree_mod._proposal = lambda t, c: None if t.q is None or t.ranks[c] == LOOKUP else t.q[t.depths[c] - 1]
+        verify_mod._proposal = lambda t, c: None if t.q is None or t.ranks[c] == LOOKUP else t.q[t.depths[c] - 1]
     counts = torch.zeros([V_TOY] * L_TOY)
     try:
         for _ in range(draws):
@@ -252,7 +250,7 @@ def sample_toy(draws: int, sampled: bool, lookup: bool, wrong_rule: bool = False
                 out += [tree.tokens[i] for i in v.path[1:]] + [v.next_token]
             counts[tuple(out[:L_TOY])] += 1
     finally:
-        tree_mod._proposal = proposal
+        verify_mod._proposal = proposal
     return counts
 
 

@@ -246,7 +246,10 @@ def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(ti
         hard, soft = (T.training_forward(draft, target, b, None, r)[0] for b in (batch, one_hot))
         torch.testing.assert_close(hard, soft)
     path = T.train(_cfg(tiny_run, tiny_run / "soft", max_steps=3, soft_labels=4, head_vocab=16), progress=False)
-    assert load_draft(path) is not None
+    prompt = samples[0]["input_ids"][:6]  # the trained drafter loads and decodes exactly
+    cfg = GenerationConfig(max_new_tokens=12, stop_token_ids=(), lookup=False)
+    plain = Engine(target).generate(prompt, cfg).token_ids
+    assert Engine(target, load_draft(path)).generate(prompt, cfg).token_ids == plain
     cache = CachedFeatures(soft_dir(str(tiny_run / "data"), "train", 4), __import__("numpy").float32, "topk.f32")
     ids, p = split_rows(cache.get(2))
     logits = target.forward(torch.tensor([samples[2]["input_ids"]]), target.new_cache()).logits[0]  # [S, V]

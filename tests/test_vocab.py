@@ -96,7 +96,7 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
 
     def spy(self, logits, *rest):
         proposal = real(self, logits, *rest)
-        proposed.extend(proposal.drafts.tolist())
+        proposed.extend(proposal.draft.tokens[1:])
         return proposal
 
     monkeypatch.setattr(Proposers, "propose_chain", spy)

@@ -116,11 +116,11 @@ class AdaptiveBlockPolicy:
         for end in (self.max_block, 1):
             if end not in self.prior_cost and (end not in self.cost or self.measures.get(end) == 1):
                 return end
-        if self.probing:  # a probe was due where another proposer displaced this one (probe_due)
+        if self.probing:  # a probe was due where another proposer displaced this one (count_idle_step)
             return self.max_block
         self.steps += 1
         best = max(range(1, self.max_block + 1), key=self.rate)
-        if best == 1 and self.probe_due():
+        if best == 1 and self.count_idle_step():
             return self.max_block
         stale = self.stale_block(best)
         if stale is None:
@@ -147,9 +147,10 @@ class AdaptiveBlockPolicy:
             self.last_recheck = self.steps
         return top
 
-    def probe_due(self) -> bool:
+    def count_idle_step(self) -> bool:
         """Count a step on which this policy's blocks did not run (a plain step, or another
-        proposer's); True when the next should run them again, as a probe (see the module doc)."""
+        proposer's), and say whether the next should run them again, as a probe (see the module
+        doc); a due probe is then chosen by the next `choose`."""
         self.steps_since_probe += 1  # (called once both ends' costs are known)
         c1, cmax = self.step_cost(1), self.step_cost(self.max_block)
         extra = max(0.0, cmax - c1)
@@ -202,10 +203,7 @@ class TreeBudgetPolicy(AdaptiveBlockPolicy):
         self.expected = expected
 
     def expected_tokens(self, block: int) -> float:
-        return self.expected[block - 1]
-
-    def learn(self, block: int, accepted: int) -> None:
-        pass  # acceptance is learned by the tree's rates
+        return self.expected[block - 1]  # acceptance: the tree's rates (tree.TreeRates), learned at commit
 
     def best_size(self, expected: list[float], chosen: int) -> int:
         """After the draft: the size n >= 2 whose expected tokens (`expected[n - 1]`, the draft's
@@ -238,18 +236,23 @@ class SequenceRates(AdaptiveBlockPolicy):
 class LoadPolicy(AdaptiveBlockPolicy):
     """A batch's block choice (`load_policy`): its costs are those of steps over this many
     sequences; its expected tokens per sequence, the mean of its sequences' own (`plan`, before
-    each choice), else the shared rates."""
+    each choice), else the `shared` chain's, which learns the acceptance of every step whatever
+    its batch (`learn` is the chain's)."""
 
+    shared: AdaptiveBlockPolicy | None = None  # the drafter chain's policy: the acceptance
     expected: list[float] = field(default_factory=list)  # E(b) for b = 1..max_block
 
     def plan(self, expected: list[float]) -> None:
         self.expected = expected
 
     def expected_tokens(self, block: int) -> float:
-        return self.expected[block - 1] if self.expected else super().expected_tokens(block)
+        return self.expected[block - 1] if self.expected else self.shared.expected_tokens(block)
+
+    def learn(self, block: int, accepted: int) -> None:
+        self.shared.learn(block, accepted)
 
 
-def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> LoadPolicy:
+def load_policy(loads: dict, chain: AdaptiveBlockPolicy, batch: int) -> LoadPolicy:
     """The block choice for steps over `batch` sequences at once (decoding.Batch): the drafter's
     acceptance does not depend on the load, so its expected tokens are the sequences' own rates
     (`plan`) or the chain's, learned by every step whatever its batch; the cost of a step is measured for each batch size apart, since one forward over B
@@ -259,14 +262,14 @@ def load_policy(policies: dict, chain: AdaptiveBlockPolicy, batch: int) -> LoadP
     the plain step's as it is (a little low, so it is measured first where it looks best), and
     what speculating adds over a plain step times B / B' (every sequence drafts, and its block's
     tokens join the forward). That spares each new batch size a first step of full blocks, and
-    exploring blocks that a neighbour already found not to pay."""
-    key = ("load", chain.max_block, batch)
-    policy = policies.get(key)
+    exploring blocks that a neighbour already found not to pay. `loads`: the policies by (largest
+    block, batch size)."""
+    key = (chain.max_block, batch)
+    policy = loads.get(key)
     if policy is None:
-        policy = policies[key] = LoadPolicy(chain.max_block)
-        policy.tried, policy.passed = chain.tried, chain.passed  # the same lists: shared acceptance
-        smaller = max((b for b in range(1, batch) if b == 1 or ("load", chain.max_block, b) in policies), default=1)
-        near = chain if smaller == 1 else policies[("load", chain.max_block, smaller)]
+        policy = loads[key] = LoadPolicy(chain.max_block, shared=chain)
+        smaller = max((b for b in range(1, batch) if b == 1 or (chain.max_block, b) in loads), default=1)
+        near = chain if smaller == 1 else loads[(chain.max_block, smaller)]
         known = {k: near.step_cost(k) for k in range(1, chain.max_block + 1)}
         plain = known[1]
         policy.prior_cost = {k: c if plain is None else plain + (c - plain) * batch / smaller

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -27,22 +27,31 @@ from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_tre
 from .gumbel import Chooser
 from .verify import SamplingParams, probs_from_logits, sample
 
+if TYPE_CHECKING:
+    from .planner import Policies
+
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
 
 
 @dataclass
 class Proposal:
-    drafts: torch.Tensor | None = None  # [n] tokens verified after the anchor (a tree's nodes 1..); None: plain
-    q: torch.Tensor | None = None  # a sampled chain's [n, V] draft distribution (None: argmax or lookup)
-    tree: Tree | None = None
-    policy: AdaptiveBlockPolicy | None = None  # the policy whose choice this was: it learns the step's cost
-    looked_up: bool = False  # prompt-lookup tokens alone (no draft forward)
+    """What a step verifies after its anchor: a draft (tree.py's `Tree`: a chain's parents are
+    i - 1, a plain step's draft is the anchor alone), who proposed it, and the policy whose choice
+    it was (it learns the step's cost)."""
+
+    draft: Tree
+    kind: str = "plain"  # plain, lookup (no draft forward), chain or tree (the drafter's)
+    policy: AdaptiveBlockPolicy | None = None
     ran_draft: bool = False  # a draft forward ran: the pending draft context went in
 
     @property
     def block(self) -> int:
         """Tokens the target verifies, the anchor included."""
-        return 1 + (0 if self.drafts is None else self.drafts.shape[0])
+        return len(self.draft)
+
+    @property
+    def looked_up(self) -> bool:
+        return self.kind == "lookup"
 
 
 @dataclass
@@ -55,17 +64,16 @@ class Proposers:
     own: SequenceRates | None = None  # this request's own chain acceptance, set with `chain` (a batch's choice sums them)
     lookup_block: int = 1  # largest lookup block (1: lookup off)
     lookup_adaptive: bool = False
-    lookup: dict = field(default_factory=dict)  # (n-gram, max block) -> AdaptiveBlockPolicy
     tree_budget: int | None = None  # largest tree (None: chains)
     tree: TreeBudgetPolicy | None = None  # the tree's node budget choice (None: always tree_budget)
     rates: TreeRates | None = None  # tree acceptance by (depth, rank)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     greedy_proposals: bool = True  # drafts are the drafter's top tokens (else drawn from q)
     coupled: bool = False  # T > 0 with the Gumbel coupling: drafts are the drafter's best perturbed scores (gumbel.py)
-    policies: dict = field(default_factory=dict)  # the engine's policies for this request's temperature band
+    policies: "Policies | None" = None  # the engine's, for this request's temperature band (planner.py)
 
     @classmethod
-    def for_request(cls, config, has_draft: bool, drafter_block: int, policies: dict) -> "Proposers":
+    def for_request(cls, config, has_draft: bool, drafter_block: int, policies: "Policies") -> "Proposers":
         params = config.sampling
         block_size = 1 if not has_draft else (config.block_size or drafter_block)
         coupled = not params.greedy and config.coupling == "gumbel"
@@ -75,28 +83,26 @@ class Proposers:
         reproducible = not params.greedy and params.seed is not None and not coupled
         adaptive = config.block_size is None and config.adaptive and not reproducible
         greedy_proposals = params.greedy or coupled or config.proposal == "greedy"
-        policies = band_policies(policies, params)
+        policies = policies.band(params)
         p = cls(block_size, sampling=params, greedy_proposals=greedy_proposals, coupled=coupled, policies=policies)
         tree = config.tree_budget is not None and block_size > 1
         if has_draft and adaptive and not tree:
-            p.chain = policies.setdefault(block_size, AdaptiveBlockPolicy(block_size))
+            p.chain = policies.chain(block_size)
             p.own = SequenceRates(block_size, prior=p.chain.alphas())
         if config.lookup:
             p.lookup_block = config.block_size or LOOKUP_BLOCK
             p.lookup_adaptive = adaptive
-            p.lookup = policies.setdefault("lookup", {})
         if tree:
             p.tree_budget = config.tree_budget
             mode = "greedy" if params.greedy else "coupled" if coupled else "argmax" if greedy_proposals else "sampled"
             # the rates depend on verdicts only, but a seeded request must not see another's (where
             # the tree's shape changes its text: rejection sampling)
-            p.rates = TreeRates() if reproducible else policies.setdefault(("tree rates", mode), TreeRates())
+            p.rates = TreeRates() if reproducible else policies.rates(mode)
             if adaptive:
-                key = ("tree", config.tree_budget, block_size, config.lookup)
-                p.tree = policies.setdefault(key, TreeBudgetPolicy(config.tree_budget))
+                p.tree = policies.tree(config.tree_budget, block_size, config.lookup)
         return p
 
-    def propose_lookup(self, history: list[int], room: int, device, batched: bool = False) -> Proposal | None:
+    def propose_lookup(self, history: list[int], room: int, batched: bool = False) -> Proposal | None:
         """Prompt-lookup tokens where they are expected to pay, else None. `batched`: the step is
         one of several sequences whose block the batch chose (`room`); the lookup's tokens are
         free there (no draft forward), so they go instead of the drafter's where they are expected
@@ -106,14 +112,13 @@ class Proposers:
             return None
         policy = None
         if self.lookup_adaptive:
-            key = (found.ngram, self.lookup_block)
-            policy = self.lookup.setdefault(key, AdaptiveBlockPolicy(self.lookup_block))
+            policy = self.policies.lookup(found.ngram, self.lookup_block)
         if batched:
             tokens = found.tokens
             if policy is not None and self.chain is not None and \
                     policy.expected_tokens(1 + len(tokens)) < self.own.expected_tokens(room):
                 return None
-            return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
+            return Proposal(Tree.chain(history[-1], tokens), "lookup", policy)
         tokens = found.tokens[: policy.choose() - 1] if policy else found.tokens
         drafter = self.chain if self.chain is not None else self.tree
         if tokens and policy is not None and drafter is not None:
@@ -121,11 +126,11 @@ class Proposers:
             # only if it is expected to yield as many tokens per second (while either is
             # unmeasured, try it)
             mine, theirs = policy.rate(1 + len(tokens)), drafter.best_rate()
-            if mine is not None and theirs is not None and (mine < theirs or drafter.probe_due()):
+            if mine is not None and theirs is not None and (mine < theirs or drafter.count_idle_step()):
                 return None  # the drafter's turn (now and then as a probe, though the lookup looks better)
         if not tokens:  # its policy expects no lookup token to pay: the drafter's turn
             return None
-        return Proposal(torch.tensor(tokens, dtype=torch.long, device=device), policy=policy, looked_up=True)
+        return Proposal(Tree.chain(history[-1], tokens), "lookup", policy)  # history[-1]: the anchor
 
     def lookup_branch(self, history: list[int], room: int) -> list[int]:
         """A tree's lookup branch: the continuation as found (the tree's rates judge it)."""
@@ -146,17 +151,20 @@ class Proposers:
             return 0
         return WIDTH if self.tree_budget is not None else 1
 
-    def propose_chain(self, drafted: torch.Tensor, gen, choose: Chooser | None = None, position: int = 0) -> Proposal:
-        """Drafts [n]: with greedy proposals the drafter's best token ids [n, 1]; coupled, the
-        argmax of its logits [n, V] perturbed by the noise of positions position + 1 .. + n; else
-        drawn from its logits, with the q they were drawn from."""
+    def propose_chain(self, drafted: torch.Tensor, anchor: int, gen, choose: Chooser | None = None,
+                      position: int = 0) -> Proposal:
+        """The chain after `anchor` of n drafts: with greedy proposals the drafter's best token ids
+        [n, 1]; coupled, the argmax of its logits [n, V] perturbed by the noise of positions
+        position + 1 .. + n; else drawn from its logits, with the q [n, V] they were drawn from."""
+        q = None
         if self.coupled:
             drafts = choose.pick(drafted, list(range(position + 1, position + 1 + drafted.shape[0])))
-            return Proposal(drafts, policy=self.chain, ran_draft=True)
-        if self.greedy_proposals:
-            return Proposal(drafted[:, 0], policy=self.chain, ran_draft=True)
-        q = probs_from_logits(drafted, self.sampling)
-        return Proposal(sample(q, gen), q, policy=self.chain, ran_draft=True)
+        elif self.greedy_proposals:
+            drafts = drafted[:, 0]
+        else:
+            q = probs_from_logits(drafted, self.sampling)
+            drafts = sample(q, gen)
+        return Proposal(Tree.chain(anchor, drafts.tolist(), q), "chain", self.chain, ran_draft=True)
 
     def tree_size(self, depth: int, lookup: list[int], cap: int | None = None) -> tuple[int, int]:
         """This step's node budget (fixed, or the policy's best for the expected value of each n,
@@ -200,26 +208,11 @@ class Proposers:
                               confidence=drafted.probs.tolist())
             if resize:
                 tree = truncate(tree, self.tree.best_size(list(itertools.accumulate(tree.values)), size))
-            device = drafted.ids.device
         else:
             q = probs_from_logits(drafted, self.sampling)  # [D, V]
             cands = draft_candidates(q, WIDTH, True, gen)
             tree = build_tree(cands, anchor, size, self.rates, lookup, merge=False, q=q)
-            device = drafted.device
-        drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)
-        return Proposal(drafts, tree=tree, policy=self.tree, ran_draft=True)
-
-
-BANDS = (0.5, 0.85, 1.15)  # temperature bands' upper ends (the last band: above them)
-
-
-def band_policies(policies: dict, params: SamplingParams) -> dict:
-    """The policies of a request's temperature band: greedy requests the engine's own dict, sampled
-    ones a dict per band (acceptance, and so what pays, falls with the temperature)."""
-    if params.greedy:
-        return policies
-    band = next((i for i, top in enumerate(BANDS) if params.temperature <= top), len(BANDS))
-    return policies.setdefault(("band", band), {})
+        return Proposal(tree, "tree", self.tree, ran_draft=True)
 
 
 @dataclass

@@ -4,7 +4,9 @@ the stop conditions (`Stopper`). engine.py runs requests; the server and the ben
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from ..errors import BlockdraftError
 from ..models.target import Target
@@ -43,20 +45,43 @@ class StepSeconds:
     """Where the decode steps' time went, summed over steps (read with the engine's clock; on
     CUDA, without syncs, a phase is charged for its launches and the verdict's sync for the rest)."""
 
-    lookup: float = 0.0  # searching the context for prompt-lookup proposals
+    lookup: float = 0.0  # proposing without the drafter: the prompt-lookup search, a tree's plan
     draft: float = 0.0  # the draft forward (context projection, layers, head) and the proposals
     target: float = 0.0  # the target forward over [anchor, drafts] (its body and taps)
     verify: float = 0.0  # the target's LM head on the rows read and the verdict
     commit: float = 0.0  # cache rollback, draft-context bookkeeping, policies, stop checks
-    mark: float = field(default=0.0, repr=False)  # the clock at the end of the last phase
-
-    def lap(self, phase: str, now: float) -> None:
-        """Charge the time since the last mark to `phase`."""
-        setattr(self, phase, getattr(self, phase) + now - self.mark)
-        self.mark = now
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "mark"}
+        return dict(vars(self))
+
+
+class StepTimer:
+    """A batch step's clock: each phase's seconds charged to the sequences it served (a shared
+    phase, such as the one target forward, to each of them whole: each waited for all of it)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.start = clock()
+
+    def each(self, seq, phase: str, fn: Callable, *args):
+        """fn(*args), its seconds charged to `seq` alone."""
+        t = self.clock()
+        out = fn(*args)
+        seconds = seq.stats.step_seconds
+        setattr(seconds, phase, getattr(seconds, phase) + self.clock() - t)
+        return out
+
+    @contextmanager
+    def shared(self, seqs: list, phase: str) -> Iterator[None]:
+        t = self.clock()
+        yield
+        elapsed = self.clock() - t
+        for s in seqs:
+            seconds = s.stats.step_seconds
+            setattr(seconds, phase, getattr(seconds, phase) + elapsed)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
 
 
 def add_counts(total: list[int], counts: list[int]) -> None:

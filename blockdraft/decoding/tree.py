@@ -9,7 +9,7 @@ verdicts (`TreeRates`). Where the drafter's probability of each candidate is kno
 proposals, `vocab.Ranked`), the rate of a node is the one learned for its depth and that
 probability's bin instead: the drafter's confidence, calibrated by the verdicts, shapes each
 step's tree (deep where it is sure, wide where it is not), as EAGLE-2 shapes its trees by the
-draft's scores. A chain is the tree of rank 0 everywhere. Prompt-lookup continuations
+draft's scores. A chain is the tree of rank 0 everywhere (`Tree.chain`), a plain step the root alone. Prompt-lookup continuations
 enter the same tree as one more branch (rank `LOOKUP`), so a step never has to choose between
 lookup and drafter.
 
@@ -18,7 +18,7 @@ T > 0), or tokens drawn from its distribution q_d without replacement (sampled p
 is the r-th of them. Because the drafter predicts position d once for the whole block, every node
 at depth d - 1 offers the same candidates as children.
 
-Verdicts (`verify_tree`), at the nodes of the walk from the root:
+Verdicts (verify.py: `verify_tree_greedy`, `verify_tree_sampled`), at the nodes of the walk from the root:
 - T = 0: step to the child holding the target's argmax; the argmax after the last node is the bonus.
 - T > 0 (SpecInfer's multi-candidate rejection sampling, here without replacement as in recursive
   rejection sampling): try the children in order, the lookup child first (a deterministic proposal,
@@ -36,12 +36,11 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from ..models.vocab import top_ids
-from .verify import sample
 
 LOOKUP = -1  # the rank of a prompt-lookup node
 WIDTH = 4  # drafter candidates per block position
@@ -62,8 +61,20 @@ class Tree:
     confidence: list[list[float]] | None = None  # [depth - 1][rank]: the drafter's probability of each (None: unknown)
     q: torch.Tensor | None = None  # [D, V] the distributions sampled candidates were drawn from (None: deterministic)
 
+    @classmethod
+    def chain(cls, anchor: int, drafts: list[int], q: torch.Tensor | None = None) -> "Tree":
+        """The chain [anchor, drafts]: node i's parent is i - 1, at depth i, rank 0 (a plain step:
+        the anchor alone). `q`: the [n, V] distributions sampled drafts were drawn from."""
+        n = len(drafts)
+        return cls([anchor, *drafts], list(range(-1, n)), list(range(n + 1)), [0] * (n + 1), q=q)
+
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        """Every node the child of the one before: a chain, verified and cached without a mask."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def attention_mask(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
@@ -229,63 +240,3 @@ def draft_candidates(draft_probs_or_logits: torch.Tensor, width: int, sampled: b
     support = int((draft_probs_or_logits > 0).sum(-1).min())
     return torch.multinomial(draft_probs_or_logits, min(width, support), replacement=False,
                              generator=generator).tolist()
-
-
-@dataclass
-class TreeVerdict:
-    path: list[int]  # accepted node indices, the root first
-    next_token: int  # the target's own token after the path (bonus or recovered)
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path) - 1
-
-
-def verify_tree_greedy(tree: Tree, argmax_at: Callable[[int], int]) -> TreeVerdict:
-    """Walk from the root while a child holds the target's argmax at its parent. `argmax_at(i)`:
-    the target's greedy token after node i (one row of its logits; read only along the walk)."""
-    path = [0]
-    while True:
-        want = int(argmax_at(path[-1]))
-        child = next((c for c in tree.children(path[-1]) if tree.tokens[c] == want), None)
-        if child is None:
-            return TreeVerdict(path, want)
-        path.append(child)
-
-
-def _proposal(tree: Tree, child: int) -> torch.Tensor | None:
-    """The distribution [V] child's token was drawn from: q_d without the draws ranked before it
-    (renormalised); None for a deterministic candidate (q one-hot)."""
-    if tree.q is None or tree.ranks[child] == LOOKUP:
-        return None
-    d, r = tree.depths[child], tree.ranks[child]
-    q = tree.q[d - 1].clone()
-    if r:
-        q[torch.tensor(tree.candidates[d - 1][:r], device=q.device)] = 0
-    return q / q.sum()
-
-
-def verify_tree_sampled(tree: Tree, p_at: Callable[[int], torch.Tensor],
-                        generator: torch.Generator | None = None) -> TreeVerdict:
-    """T > 0: multi-candidate rejection sampling at each node of the walk (see the module's
-    docstring). `p_at(i)`: the target's distribution [V] after node i."""
-    path = [0]
-    while True:
-        p = p_at(path[-1]).clone()
-        accepted = None
-        for c in tree.children(path[-1]):
-            x, q = tree.tokens[c], _proposal(tree, c)
-            q_x = 1.0 if q is None else float(q[x])
-            if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
-                accepted = c
-                break
-            if q is None:
-                p[x] = 0
-            else:
-                p = (p - q).clamp_min(0)
-            total = p.sum()
-            # total 0 only if p equalled q, where a rejection has probability 0
-            p = p / total if total > 0 else p_at(path[-1])
-        if accepted is None:
-            return TreeVerdict(path, int(sample(p, generator)))
-        path.append(accepted)

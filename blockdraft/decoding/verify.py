@@ -1,21 +1,33 @@
-"""Lossless verification of a drafted block: pure tensor code, no model access.
+"""Lossless verification of a draft: pure tensor code, no model access. One verifier, `verify`,
+for every shape a step proposes (tree.py's `Tree`: a chain is the tree whose parents are i - 1, a
+plain step the root alone); a chain is its fast case, read in chunks and compared at once.
 
 Names follow the speculative-decoding papers: p is the target's distribution, q the draft's.
 A step proposes n draft tokens d_1..d_n; the target scored the block [anchor, d_1..d_n], giving
-n + 1 rows of p (row k predicts the token after position k). The verdict is how many drafts are
-accepted and the one extra token that always commits: the **bonus** token (all accepted, drawn
-from p at the last row) or the **recovered** token (drawn at the first rejection).
+n + 1 rows of p (row k predicts the token after position k; a tree's row i, the token after node
+i). The verdict is the accepted path and the one extra token that always commits: the **bonus**
+token (all accepted, drawn from p at the last row) or the **recovered** token (drawn at the first
+rejection). Acceptance length: accepted drafts + 1; tau, its mean over steps.
+
+- T = 0, or T > 0 with the Gumbel coupling (gumbel.py): the target's token at each position is a
+  function of its row, so a draft is accepted iff it equals it (`verify_greedy`, `verify_tree_greedy`).
+- T > 0 with rejection sampling: Leviathan et al.'s rule on a chain (`verify_sampled`), SpecInfer's
+  multi-candidate rule at each node of a tree (`verify_tree_sampled`; tree.py's docstring).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
 from ..errors import BlockdraftError
+from .tree import LOOKUP, Tree
+
+if TYPE_CHECKING:
+    from .gumbel import Chooser
 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below this decode greedily
@@ -49,8 +61,13 @@ class SamplingParams:
 
 @dataclass
 class Verdict:
-    num_accepted: int  # accepted draft tokens, 0..n
+    path: list[int]  # accepted nodes, the root (the anchor) first: a chain's are 0..accepted
     next_token: int  # bonus (all accepted) or recovered (first rejection) token
+
+    @property
+    def num_accepted(self) -> int:
+        """Accepted draft tokens, 0..n."""
+        return len(self.path) - 1
 
     @property
     def acceptance_length(self) -> int:
@@ -116,24 +133,28 @@ def _read(source: torch.Tensor | RowSource, rows: int, first_chunk: int | None):
     return (lambda a, b: source[a:b]), row_chunks(rows, first_chunk or rows)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor | RowSource,
+def _chain(accepted: int, token: int) -> Verdict:
+    return Verdict(list(range(accepted + 1)), token)
+
+
+def verify_greedy(draft_tokens: torch.Tensor | Sequence[int], target_argmax: torch.Tensor | RowSource,
                   first_chunk: int | None = None) -> Verdict:
     """T = 0. draft_tokens [n]; target_argmax [n + 1] (or a source of its rows, read lazily in
     chunks up to the first disagreement): accept while d_k == argmax p_{k-1}."""
-    n = draft_tokens.shape[0]
+    drafts = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else list(draft_tokens)
+    n = len(drafts)
     argmax_rows, chunks = _read(target_argmax, n + 1, first_chunk)
     for start, stop in chunks:
-        am = argmax_rows(start, stop)  # [stop - start]
+        am = argmax_rows(start, stop).tolist()  # [stop - start]: a host sync per chunk
         m = min(stop, n) - start  # drafts judged by these rows
-        agree = (draft_tokens[start:start + m] == am[:m]).int()
-        run = int(agree.cumprod(0).sum()) if m else 0  # a host sync per chunk
+        run = next((k for k in range(m) if drafts[start + k] != am[k]), m)
         if run < m or stop == n + 1:  # a disagreement, or the bonus row is in this chunk
-            return Verdict(start + run, int(am[run]))
+            return _chain(start + run, am[run])
     raise AssertionError("unreachable: the last chunk holds the bonus row")
 
 
 def verify_sampled(
-    draft_tokens: torch.Tensor,  # [n]
+    draft_tokens: torch.Tensor | Sequence[int],  # [n]
     p: torch.Tensor | RowSource,  # [n + 1, V] target probabilities, or a source of its rows (lazy)
     q: torch.Tensor | None,  # [n, V] the draft distribution d_k was drawn from; None = greedy proposals
     generator: torch.Generator | None = None,
@@ -143,14 +164,16 @@ def verify_sampled(
     on the first rejection draw from normalize(max(0, p - q)), else draw the bonus from p_n.
     With q = None the proposals were argmaxes (q one-hot), so acceptance is p(d_k). A lazy `p`
     is read in chunks up to the first rejection; the draws are the same either way."""
-    n = draft_tokens.shape[0]
-    p_rows, chunks = _read(p, n + 1, first_chunk)
-    device = draft_tokens.device
-    u = torch.rand(n, generator=generator, device=device)  # all n uniforms first, as the eager rule
-    idx = draft_tokens[:, None]
-    q_d = torch.ones(n, device=device) if q is None else q.gather(-1, idx)[:, 0]
+    p_rows, chunks = _read(p, len(draft_tokens) + 1, first_chunk)
+    u = idx = q_d = None
     for start, stop in chunks:
         chunk = p_rows(start, stop)  # [stop - start, V]
+        if u is None:  # all n uniforms first, as the eager rule, on the rows' device
+            draft_tokens = torch.as_tensor(draft_tokens, dtype=torch.long, device=chunk.device)
+            n = draft_tokens.shape[0]
+            u = torch.rand(n, generator=generator, device=chunk.device)
+            idx = draft_tokens[:, None]  # [n, 1]
+            q_d = torch.ones(n, device=chunk.device) if q is None else q.gather(-1, idx)[:, 0]
         m = min(stop, n) - start
         p_d = chunk[:m].gather(-1, idx[start:start + m])[:, 0]
         run = int((u[start:start + m] * q_d[start:start + m] < p_d).int().cumprod(0).sum()) if m else 0
@@ -159,7 +182,7 @@ def verify_sampled(
         accepted = start + run
         row = chunk[run]
         if accepted == n:
-            return Verdict(n, int(sample(row, generator)))
+            return _chain(n, int(sample(row, generator)))
         if q is None:
             residual = row.clone()
             residual[draft_tokens[accepted]] = 0
@@ -168,5 +191,75 @@ def verify_sampled(
         total = residual.sum()
         # total == 0 only when p == q on this row, where a rejection has probability 0
         residual = residual / total if total > 0 else row
-        return Verdict(accepted, int(sample(residual, generator)))
+        return _chain(accepted, int(sample(residual, generator)))
     raise AssertionError("unreachable: the last chunk holds the bonus row")
+
+
+def verify_tree_greedy(tree: Tree, argmax_at: Callable[[int], int]) -> Verdict:
+    """Walk from the root while a child holds the target's argmax at its parent. `argmax_at(i)`:
+    the target's greedy token after node i (one row of its logits; read only along the walk)."""
+    path = [0]
+    while True:
+        want = int(argmax_at(path[-1]))
+        child = next((c for c in tree.children(path[-1]) if tree.tokens[c] == want), None)
+        if child is None:
+            return Verdict(path, want)
+        path.append(child)
+
+
+def _proposal(tree: Tree, child: int) -> torch.Tensor | None:
+    """The distribution [V] child's token was drawn from: q_d without the draws ranked before it
+    (renormalised); None for a deterministic candidate (q one-hot)."""
+    if tree.q is None or tree.ranks[child] == LOOKUP:
+        return None
+    d, r = tree.depths[child], tree.ranks[child]
+    q = tree.q[d - 1].clone()
+    if r:
+        q[torch.tensor(tree.candidates[d - 1][:r], device=q.device)] = 0
+    return q / q.sum()
+
+
+def verify_tree_sampled(tree: Tree, p_at: Callable[[int], torch.Tensor],
+                        generator: torch.Generator | None = None) -> Verdict:
+    """T > 0: multi-candidate rejection sampling at each node of the walk (see the module's
+    docstring). `p_at(i)`: the target's distribution [V] after node i."""
+    path = [0]
+    while True:
+        p = p_at(path[-1]).clone()
+        accepted = None
+        for c in tree.children(path[-1]):
+            x, q = tree.tokens[c], _proposal(tree, c)
+            q_x = 1.0 if q is None else float(q[x])
+            if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
+                accepted = c
+                break
+            if q is None:
+                p[x] = 0
+            else:
+                p = (p - q).clamp_min(0)
+            total = p.sum()
+            # total 0 only if p equalled q, where a rejection has probability 0
+            p = p / total if total > 0 else p_at(path[-1])
+        if accepted is None:
+            return Verdict(path, int(sample(p, generator)))
+        path.append(accepted)
+
+
+def verify(draft: Tree, rows: RowSource, choose: "Chooser", generator: torch.Generator | None = None,
+           position: int = 0) -> Verdict:
+    """The verdict on a draft (its root the anchor, at `position`) from the target's rows [N, V]
+    over its nodes, read lazily (`rows(a, b)`: rows a..b-1, the LM head run on those alone).
+    `choose`: the request's token at a position from its row (greedy or Gumbel-coupled: an
+    equality test), else rejection sampling with `generator`. A chain (the parents i - 1, q for
+    all its drafts or none) is the fast case: rows read in doubling chunks, compared at once."""
+    after = position + 1  # node i's row predicts the token at position + 1 + depth(i)
+    n = len(draft) - 1
+    if draft.is_chain and (draft.q is None or not any(draft.ranks)):  # q by depth: rank-0 draws alone
+        tokens = draft.tokens[1:]
+        if choose.deterministic:
+            return verify_greedy(tokens, lambda a, b: choose.pick(rows(a, b), list(range(after + a, after + b))))
+        return verify_sampled(tokens, lambda a, b: probs_from_logits(rows(a, b), choose.params), draft.q, generator)
+    row = row_reader(rows, n + 1)  # nodes are in order of value: the walk reads early rows
+    if choose.deterministic:
+        return verify_tree_greedy(draft, lambda i: choose.pick(row(i)[None], [after + draft.depths[i]])[0])
+    return verify_tree_sampled(draft, lambda i: probs_from_logits(row(i), choose.params), generator)
