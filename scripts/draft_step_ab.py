@@ -50,7 +50,7 @@ def main() -> None:
     from blockdraft.decoding.engine import Engine
     from blockdraft.models.checkpoint import load_draft
     from blockdraft.models.draft import DraftCache
-    from blockdraft.models.profile import evict_caches
+    from blockdraft.lab.profiling import evict_caches
     from blockdraft.models.target import load_target
 
     old = old_draft_module(args.rev)

@@ -18,9 +18,11 @@ import argparse
 import torch
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
-from blockdraft.models import few_rows, kernels
-from blockdraft.models.norms import fuse_norms, unfuse_norms
-from blockdraft.models.profile import evict_caches, timed
+from blockdraft.models.llama_step import LlamaStep
+from blockdraft.ops import attention, few_rows, precision
+from blockdraft.ops import packed as kernels
+from blockdraft.ops.norms import fuse_norms, unfuse_norms
+from blockdraft.lab.profiling import evict_caches, timed
 from blockdraft.models.target import load_target
 
 
@@ -93,7 +95,7 @@ def use_few_rows(target, on: bool) -> None:
     few_rows.applies = FEW_ROWS_APPLIES if on else (lambda w: False)
     for m in target.model.modules():
         if kernels.is_packed(m):
-            m.forward.key = None
+            m.key = None
 
 
 def kernels_compared(target, tokens: list[int]) -> None:
@@ -110,7 +112,7 @@ def blocks_compared(target, tokens: list[int]) -> None:
     from blockdraft.models import int8_activations
     from blockdraft.models.gguf_target import BlockLinear
 
-    ext = few_rows._load()
+    ext = few_rows.library()
     if not ext.set_avx512(True):
         raise SystemExit("this CPU has no AVX-512")
     head = target.lm_head
@@ -174,19 +176,26 @@ def print_rows(best: dict, keys: list[int], label: str = "tokens") -> None:
 
 
 def norms_compared(target, tokens: list[int]) -> None:
-    """The target forward with its RMSNorms fused (norms.py) against transformers' own."""
-    best = alternating({"transformers' norms": lambda: unfuse_norms(target.model),
-                        "fused norms": lambda: fuse_norms(target.model)}, lambda: forward_ms(target, tokens), 5)
+    """The target forward with its RMSNorms fused (ops/norms.py) against transformers' own."""
+    def unfused():  # llama_step.py runs fused norms only: transformers' modules then
+        unfuse_norms(target.model)
+        target.step = None
+
+    def fused():
+        fuse_norms(target.model)
+        target.step = LlamaStep.build(target.model)
+
+    best = alternating({"transformers' norms": unfused, "fused norms": fused}, lambda: forward_ms(target, tokens), 5)
     print_rows(best, tokens)
 
 
 def attention_compared(target, tokens: list[int]) -> None:
     """The target forward with the few-row attention kernel against SDPA (alternating)."""
-    applies = kernels.few_row_attention_applies
-    best = alternating({"SDPA": lambda: setattr(kernels, "few_row_attention_applies", lambda *a: False),
-                        "few-row attention": lambda: setattr(kernels, "few_row_attention_applies", applies)},
+    applies = attention.few_row_attention_applies
+    best = alternating({"SDPA": lambda: setattr(attention, "few_row_attention_applies", lambda *a: False),
+                        "few-row attention": lambda: setattr(attention, "few_row_attention_applies", applies)},
                        lambda: forward_ms(target, tokens), 5)
-    kernels.few_row_attention_applies = applies
+    attention.few_row_attention_applies = applies
     print_rows(best, tokens)
 
 
@@ -194,7 +203,7 @@ def draft_compared(target, blocks: list[int], cold: bool = False) -> None:
     """The bundled drafter's forward over a block plus its head over the block's rows, at a
     256-token context with two new context rows per step (a step that committed two tokens), in
     four setups: fp32 as written (the drafter's linear layers packed, as before), with its norms and
-    per-head norm + RoPE fused, and with bf16 or int8 weights too (kernels.draft_precision); on a
+    per-head norm + RoPE fused, and with bf16 or int8 weights too (precision.draft_precision); on a
     CPU with native bf16, a fifth: the drafter cast to bf16 and computed by oneDNN.
     cold: the CPU's caches are evicted before each call, as the target's forward evicts them in a
     decode step (else the drafter's 40 MB of weights partly stay in the L3 between calls)."""
@@ -239,7 +248,7 @@ def draft_compared(target, blocks: list[int], cold: bool = False) -> None:
 
     setups = {"fp32, as written": setup(torch.float32, False), "fp32, fused": setup(torch.float32, True),
               "bf16 weights, fused": setup(torch.bfloat16, True), "int8 weights, fused": setup(torch.int8, True)}
-    if kernels.native_bf16_packing(target.device):
+    if precision.native_bf16_packing(target.device):
         setups["bf16 compute (oneDNN)"] = onednn_bf16
     best = alternating(setups, measure, 3)
     print_rows(best, blocks, "block (draft forward + head)")
@@ -258,7 +267,7 @@ def draft_linear_compared(target, rows: list[int]) -> None:
     weights.append(target.lm_head.weight.detach()[draft.vocab_ids])
     kinds = {"int8 panels": [few_rows.pack(w, torch.int8) for w in weights],
              "bf16 panels": [few_rows.pack(w, torch.bfloat16) for w in weights]}
-    onednn = kernels.native_bf16_packing(target.device)
+    onednn = precision.native_bf16_packing(target.device)
     if onednn:
         kinds["oneDNN bf16"] = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), kernels.PACK_HINT) for w in weights]
     print("rows".ljust(16) + "".join(f"{r:>8}" for r in rows))
@@ -310,7 +319,7 @@ def prefill_compared(prompt_tokens: int) -> None:
     from its blocks against the same model on its fp32 weights: three runs each after a warm-up."""
     import time
 
-    from blockdraft.models.gguf_blocks import dequantize, dequantize_torch
+    from blockdraft.ops.gguf_blocks import dequantize, dequantize_torch
     from blockdraft.models.gguf_target import BlockLinear
 
     ids = torch.randint(100, 40_000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ import transformers as tf
 from blockdraft.decoding.engine import Engine, GenerationConfig
 from blockdraft.models.draft import DraftModel, build_draft_config
 from blockdraft.decoding.oracle import OracleDraft
-from blockdraft.models.profile import format_profile, profile_step
+from blockdraft.lab.profiling import format_profile, profile_step
 from blockdraft.models.target import MAX_PENDING, Target
 
 GEOMETRY = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

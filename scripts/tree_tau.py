@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from blockdraft.cli.common import load_engine
 from blockdraft.decoding.engine import GenerationConfig
-from blockdraft.decoding.planner import Policies
+from blockdraft.decoding.policies import Policies
 from blockdraft.decoding.tree import CONFIDENCE_EDGES, LOOKUP, TreeRates, confidence_key, tried_nodes
 from blockdraft.evaluation.datasets import load_prompts
 

@@ -171,7 +171,8 @@ def test_adaptive_decoding_is_lossless(keep):
     prompt = [3, 9, 27, 81 % 96]
     truth = Engine(target).generate(prompt, GenerationConfig(max_new_tokens=80, stop_token_ids=())).token_ids
     oracle = OracleDraft(tiny_draft(target, block_size=8), truth, len(prompt), keep, seed=5)
-    got = Engine(target, oracle).generate(prompt, GenerationConfig(max_new_tokens=80, stop_token_ids=()))
+    chains = GenerationConfig(max_new_tokens=80, stop_token_ids=(), tree_budget=None)  # the chain's policy
+    got = Engine(target, oracle).generate(prompt, chains)
     assert got.token_ids == truth
     if keep == 1.0:  # (prompt lookup is on: it must not displace a drafter that does better)
         assert got.stats.tau > 3
@@ -212,7 +213,7 @@ def test_the_engine_keeps_what_the_policy_learned_across_requests():
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=8)  # random drafter: accepts ~nothing
     engine = Engine(target, draft, clock=SimulatedClock(target, draft))
-    cfg = GenerationConfig(max_new_tokens=40, lookup=False)  # the drafter's policy alone
+    cfg = GenerationConfig(max_new_tokens=40, lookup=False, tree_budget=None)  # the drafter chain's policy alone
     first = engine.generate([1, 2, 3], cfg)
     second = engine.generate([4, 5, 6], cfg)
     assert first.stats.drafted > 0  # the first request probed the drafter
@@ -227,7 +228,7 @@ def test_a_slow_first_draft_step_does_not_hand_the_drafter_to_prompt_lookup():
     again (the policy measures the full block twice and keeps the lower cost)."""
     target = tiny_target("qwen3")
     prompt = [3, 9, 27, 81 % 96]
-    config = GenerationConfig(max_new_tokens=80, stop_token_ids=())
+    config = GenerationConfig(max_new_tokens=80, stop_token_ids=(), tree_budget=None)  # chains
     truth = Engine(target).generate(prompt, config).token_ids
     oracle = OracleDraft(tiny_draft(target, block_size=8), truth, len(prompt), 1.0, seed=5)
     first = oracle.block_logits

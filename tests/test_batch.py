@@ -104,8 +104,12 @@ def test_slots_append_in_place_what_concatenation_would_hold():
             target.forward(torch.tensor([p]), c, logits_at=1)
             target.rollback(c, len(p))
             slots.join(c)
-    for layer in plain.kv.layers:
-        layer.__dict__.pop("update")  # transformers' DynamicLayer.update: concatenation
+    from transformers.cache_utils import DynamicLayer
+
+    for i, layer in enumerate(plain.kv.layers):  # transformers' own layers: concatenation
+        plain.kv.layers[i] = DynamicLayer()
+        plain.kv.layers[i].__dict__.update(layer.__dict__)
+    assert all(type(a).__name__ == "SlotLayer" for a in fast.kv.layers)
 
     def run(slots, blocks, kept):
         slots.forward(target, [RowBlock(b) for b in blocks], None)
@@ -303,7 +307,8 @@ def test_a_batch_policy_chooses_whatever_its_neighbour_has_measured():
                 policy.record(k, 0, 1.0 + 0.01 * batch * k)
 
 
-def test_max_step_tokens_caps_a_batch_step():
+@pytest.mark.parametrize("trees", [None, "auto"])  # chains, and the default's trees
+def test_max_step_tokens_caps_a_batch_step(trees):
     target = tiny_target("llama")
     engine = Engine(target, tiny_draft(target, block_size=8))
     seen = []
@@ -314,7 +319,8 @@ def test_max_step_tokens_caps_a_batch_step():
         return forward(ids, *args, **kwargs)
 
     target.forward = spy
-    requests = [(p, GenerationConfig(max_new_tokens=12, stop_token_ids=(), lookup=False)) for p in prompts(4)]
+    requests = [(p, GenerationConfig(max_new_tokens=12, stop_token_ids=(), lookup=False, tree_budget=trees))
+                for p in prompts(4)]
     drive(engine, requests, [0] * 4, max_step_tokens=8)
     batched = [s for s in seen if s[0] > 1]
     assert batched and all(b * t <= 8 for b, t in batched)

@@ -7,7 +7,7 @@ import torch
 
 from blockdraft.decoding.engine import Engine
 from blockdraft.evaluation import bench, methods
-from blockdraft.models import few_rows
+from blockdraft.ops import few_rows
 from blockdraft.evaluation.datasets import load_prompts
 from blockdraft.errors import BlockdraftError
 
@@ -202,7 +202,7 @@ def test_tree_methods_report_their_trees_and_the_ceiling_at_their_verify_size(tm
 def test_the_profile_runs_a_bf16_drafter_with_a_vocabulary_subset():
     """The drafter may compute in bf16 beside an fp32 target (`--draft-dtype auto` on a CPU with
     AVX512-BF16): the profile must feed each part in its own dtype, the subset head included."""
-    from blockdraft.models.profile import profile_step
+    from blockdraft.lab.profiling import profile_step
 
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=4)
@@ -252,7 +252,7 @@ def test_vllm_peer_rows_join_the_table_and_their_outputs_are_checked(tmp_path, m
     one child per method, vLLM's counters give tau, and a peer whose tokens differ is caught."""
     import sys
 
-    from blockdraft.evaluation.peer_vllm import VllmPeer
+    from blockdraft.lab.peer_vllm import VllmPeer
 
     _fake_vllm(tmp_path, monkeypatch)
     target = tiny_target("llama")
@@ -276,7 +276,7 @@ def test_vllm_peer_rows_join_the_table_and_their_outputs_are_checked(tmp_path, m
 def test_vllm_peer_errors_are_clear(tmp_path, monkeypatch):
     import sys
 
-    from blockdraft.evaluation.peer_vllm import VllmPeer
+    from blockdraft.lab.peer_vllm import VllmPeer
 
     target = tiny_target("llama")
     with pytest.raises(BlockdraftError, match="make vllm-env"):

@@ -1,4 +1,4 @@
-"""llama.cpp as a peer in `blockdraft bench` (evaluation/peer_llamacpp.py), against the real
+"""llama.cpp as a peer in `blockdraft bench` (lab/peer_llamacpp.py), against the real
 `llama-server` that `make llamacpp-env` builds (cached outside the clone; `make test` builds it
 and sets BLOCKDRAFT_REQUIRE_LLAMACPP, so there this test cannot skip)."""
 
@@ -10,7 +10,7 @@ import torch
 from blockdraft.errors import BlockdraftError
 from blockdraft.evaluation import bench
 from blockdraft.evaluation.methods import parse_method, peer_of
-from blockdraft.evaluation.peer_llamacpp import LlamaCppPeer, default_build, draft_tokens
+from blockdraft.lab.peer_llamacpp import LlamaCppPeer, default_build, draft_tokens
 
 
 def _build():
@@ -50,7 +50,7 @@ def test_llamacpp_rows_join_the_bench_on_the_bundled_gguf(tmp_path):
     mismatch; on the Q4_1 file its speculative text is not even always its own plain text, its
     batched kernels rounding otherwise: 11 against 9 of HumanEval-40's texts equal ours)."""
     from blockdraft.cli import bundled_drafter
-    from blockdraft.evaluation.peer_llamacpp import drafter_gguf_for_bench
+    from blockdraft.lab.peer_llamacpp import drafter_gguf_for_bench
     from blockdraft.models.checkpoint import load_draft
     from blockdraft.models.target import load_target, target_gguf_file
 

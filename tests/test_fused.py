@@ -1,15 +1,16 @@
 """The few-row extension's other kernels: bf16- and int8-stored panels (the drafter's weights), the fused
-RMSNorm (norms.py) and the drafter's fused per-head norm and RoPE."""
+RMSNorm (ops/norms.py) and the drafter's fused per-head norm and RoPE."""
 
 import pytest
 import torch
 from torch import nn
 
 from blockdraft.decoding.engine import Engine, GenerationConfig
-from blockdraft.models import few_rows
+from blockdraft.ops import few_rows
 from blockdraft.models.draft import DraftCache, RMSNorm, apply_rope, rope_cos_sin
-from blockdraft.models.kernels import draft_precision, fast_draft_dtype, use_packed
-from blockdraft.models.norms import _FusedNorm, fuse_norms, unfuse_norms
+from blockdraft.ops.norms import FusedRMSNorm, fuse_norms, unfuse_norms
+from blockdraft.ops.precision import draft_precision, fast_draft_dtype
+from blockdraft.ops.switch import use_packed
 
 from conftest import tiny_draft, tiny_target
 
@@ -143,21 +144,24 @@ _OnePlusNorm.__name__ = "GemmaRMSNorm"
 def test_fuse_norms_takes_the_norms_it_reproduces_and_leaves_the_others():
     target = tiny_target("llama")  # Target fuses its norms (and packs its linear layers)
     norms = [m for m in target.model.modules() if "RMSNorm" in type(m).__name__]
-    assert norms and all(isinstance(m.__dict__.get("forward"), _FusedNorm) for m in norms)
-    other = nn.Sequential(_OnePlusNorm(32), RMSNorm(32, 1e-5))
+    assert norms and all(isinstance(m, FusedRMSNorm) for m in norms)
+    norm = RMSNorm(32, 1e-5)
+    other = nn.Sequential(_OnePlusNorm(32), norm)
+    keys = list(other.state_dict())
     assert fuse_norms(other) == 1
-    assert "forward" not in other[0].__dict__ and isinstance(other[1].__dict__["forward"], _FusedNorm)
+    assert type(other[0]) is _OnePlusNorm and isinstance(other[1], FusedRMSNorm) and other[1].replaced is norm
+    assert other[1].weight is norm.weight and list(other.state_dict()) == keys  # the same parameter, the same keys
     x = torch.randn(3, 32)
     with torch.inference_mode():
         fused = other[1](x)
         with use_packed(False):
-            assert torch.equal(other[1](x), RMSNorm.forward(other[1], x))  # as written, within use_packed(False)
-    assert torch.allclose(fused, RMSNorm.forward(other[1], x), rtol=1e-5, atol=1e-6)
+            assert torch.equal(other[1](x), norm(x))  # as written, within use_packed(False)
+    assert torch.allclose(fused, norm(x), rtol=1e-5, atol=1e-6)
     y = torch.randn(3, 32, requires_grad=True)
     other[1](y).sum().backward()  # training runs the module's own forward, with its gradient
-    assert y.grad is not None
+    assert y.grad is not None and norm.weight.grad is not None
     unfuse_norms(other)
-    assert "forward" not in other[1].__dict__
+    assert other[1] is norm
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -187,7 +191,7 @@ def test_a_drafter_with_bf16_or_int8_weights_keeps_greedy_output_and_computes_th
     native bf16 (forced either way here), and `auto` picks int8 weights, computed in fp32 too. Greedy output stays plain decoding's,
     and the fused drafter computes what the drafter as written does with the same stored weights."""
     for native in (False, True):
-        monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: native)
+        monkeypatch.setattr("blockdraft.ops.precision.native_cpu_bf16", lambda: native)
         assert draft_precision(CPU, storage) == (torch.float32, storage)
         assert draft_precision(CPU, torch.float32) == (torch.float32, None)
         assert fast_draft_dtype(CPU, torch.float32) == torch.int8
@@ -202,7 +206,7 @@ def test_a_drafter_with_bf16_or_int8_weights_keeps_greedy_output_and_computes_th
     head = draft.head_for(target.lm_head)
     assert head is not target.lm_head
     for layer in (head.rows, draft.layers[0].mlp.up_proj, draft.layers[0].self_attn.q_proj):
-        panels = layer.forward.panels
+        panels = layer.panels
         assert (panels.data if isinstance(panels, few_rows.Int8Panels) else panels).dtype == storage
     with torch.inference_mode():
         out = target.forward(torch.tensor([[5, 17, 33, 2, 9]]), target.new_cache(), draft.cfg.target_layer_ids)
@@ -226,7 +230,7 @@ def test_int8_drafter_weights_are_refused_where_the_few_row_kernel_cannot_run(mo
 def test_auto_draft_dtype_without_the_few_row_kernel_is_native_bf16_or_the_targets(monkeypatch):
     monkeypatch.setattr(few_rows, "runs_on", lambda device, dtype: False)
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr("blockdraft.models.kernels.native_bf16_packing", lambda device: native)
+        monkeypatch.setattr("blockdraft.ops.precision.native_bf16_packing", lambda device: native)
         assert fast_draft_dtype(CPU, torch.float32) == expected
     assert draft_precision(CPU, torch.bfloat16) == (torch.bfloat16, None)  # oneDNN's (or emulated) bf16
 
@@ -237,17 +241,17 @@ def test_a_drafters_calls_of_many_rows_run_onednn_bf16_where_the_cpu_has_it(monk
     """With bf16 instructions (forced here), a drafter's layer with int8 panels runs calls of more
     than MANY_ROWS rows in oneDNN's bf16 arithmetic (the weights rounded to bf16) and fewer rows on
     its panels; greedy output stays plain decoding's with a prompt long enough for both."""
-    from blockdraft.models.kernels import MANY_ROWS
+    from blockdraft.ops.packed import MANY_ROWS
 
-    monkeypatch.setattr("blockdraft.models.kernels.native_cpu_bf16", lambda: True)
+    monkeypatch.setattr("blockdraft.ops.precision.native_cpu_bf16", lambda: True)
     target = tiny_target("llama")
     draft = tiny_draft(target, block_size=6)
     prompt = [(7 * i + 3) % 90 + 1 for i in range(3 * MANY_ROWS)]
     cfg = GenerationConfig(max_new_tokens=24, block_size=6, stop_token_ids=(), lookup=False)
     plain = Engine(target).generate(prompt, cfg).token_ids
     assert Engine(target, draft, draft_dtype=torch.int8).generate(prompt, cfg).token_ids == plain
-    assert draft.fc.forward.many is not None  # the prompt's context rows went through fc at once
-    assert draft.layers[0].mlp.up_proj.forward.many is None  # a block's rows only: the panels
+    assert draft.fc.many is not None  # the prompt's context rows went through fc at once
+    assert draft.layers[0].mlp.up_proj.many is None  # a block's rows only: the panels
     layer = draft.layers[0].mlp.up_proj
     with torch.inference_mode():
         x = torch.randn(MANY_ROWS + 1, layer.in_features)

@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in the few-row kernel (models/gguf_blocks.py): every kind dequantizes
+"""GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in the few-row kernel (ops/gguf_blocks.py): every kind dequantizes
 to exactly the `gguf` package's fp32 weights, a layer's output is bitwise the fp32 kernel's on
 those weights, and a row's output is the same at every row count (issue 50)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from blockdraft.models import few_rows
-from blockdraft.models.gguf_blocks import KINDS, block_linear, dequantize, dequantize_torch, pack_blocks
+from blockdraft.ops import few_rows
+from blockdraft.ops.gguf_blocks import KINDS, block_linear, dequantize, dequantize_torch, pack_blocks
 
 pytestmark = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernel does not run here")
 
@@ -62,7 +62,7 @@ def test_blocks_compute_exactly_what_the_fp32_kernel_does_on_ggufs_dequantizatio
 def test_the_avx512_kernel_computes_bitwise_what_the_avx2_one_does(kind):
     """csrc/blocks512.cpp, where the CPU has AVX-512: every row count up to 64 (its tiles of 1 to 8
     rows and 1, 2 or 4 panels), a width not a multiple of 16 (a masked store)."""
-    ext = few_rows._load()
+    ext = few_rows.library()
     if not ext.set_avx512(True):
         pytest.skip("this CPU has no AVX-512")
     raw, _ = _quantized(kind, 200, 768)

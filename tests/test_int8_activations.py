@@ -1,4 +1,4 @@
-"""The opt-in int8-activation mode of a GGUF target (models/int8_activations.py, csrc/q8.cpp):
+"""The opt-in int8-activation mode of a GGUF target (ops/int8_activations.py, csrc/q8.cpp):
 every block kind computes the int8 products it stands for (each row of x quantized in blocks of 32,
 the weights' codes as the `gguf` package dequantizes them), a row's result is bitwise the same at
 every row count, and speculative decoding in this mode equals this mode's plain decoding (issue 50)."""
@@ -9,8 +9,8 @@ from test_gguf_blocks import _quantized
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.evaluation.methods import parse_method
-from blockdraft.models import few_rows, int8_activations
-from blockdraft.models.gguf_blocks import KINDS, block_linear, pack_blocks
+from blockdraft.ops import few_rows, int8_activations
+from blockdraft.ops.gguf_blocks import KINDS, block_linear, pack_blocks
 
 pytestmark = pytest.mark.skipif(not int8_activations.available(), reason="no AVX-512 VNNI here")
 

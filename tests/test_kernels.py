@@ -1,4 +1,4 @@
-"""The fast forward: prepacked linear layers (kernels.py) and the lazily applied LM head."""
+"""The fast forward: packed linear layers (ops/packed.py) and the lazily applied LM head."""
 
 import os
 
@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from blockdraft.decoding.engine import Engine, GenerationConfig
-from blockdraft.models import few_rows
-from blockdraft.models.kernels import (SHARED_KV_ATTENTION, draft_precision, is_packed, packing_available, prepack,
-                                      use_packed)
+from blockdraft.ops import few_rows
+from blockdraft.ops.attention import SHARED_KV_ATTENTION
+from blockdraft.ops.packed import is_packed, packing_available, prepack
+from blockdraft.ops.precision import draft_precision
+from blockdraft.ops.switch import use_packed
 from blockdraft.models.target import Target
 from blockdraft.decoding.verify import SamplingParams, probs_from_logits, row_chunks, verify_greedy, verify_sampled
 
@@ -49,7 +51,7 @@ def test_few_rows_kernel_is_exact_and_bitwise_independent_of_the_row_count(n_in,
 def test_the_avx512_panel_kernel_computes_bitwise_what_the_avx2_one_does(storage):
     """csrc/blocks512.cpp's fp32, bf16 and int8 panels (a drafter's; int8 with its scales), where
     the CPU has AVX-512: every row count up to 40, widths that fill no whole panel."""
-    ext = few_rows._load()
+    ext = few_rows.library()
     if not ext.set_avx512(True):
         pytest.skip("this CPU has no AVX-512")
     torch.manual_seed(1)
@@ -67,20 +69,20 @@ def test_the_avx512_panel_kernel_computes_bitwise_what_the_avx2_one_does(storage
 def test_prepacked_layer_runs_few_rows_and_the_default_kernel_past_its_rows(monkeypatch):
     torch.manual_seed(0)
     layer = nn.Linear(64, 80)
-    prepack(layer)
+    layer = prepack(layer)
     monkeypatch.setattr(few_rows, "MAX_ROWS", 8)
     x = torch.randn(12, 64)
     with torch.inference_mode():
         small = layer(x[:8])
-        assert layer.forward.panels is not None and layer.forward.packed is None  # no oneDNN copy besides
-        assert torch.equal(small, few_rows.linear(x[:8], layer.forward.panels, 80, layer.bias))
+        assert layer.panels is not None and layer.packed is None  # no oneDNN copy besides
+        assert torch.equal(small, few_rows.linear(x[:8], layer.panels, 80, layer.bias))
         assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))  # 12 rows: past MAX_ROWS
 
 
 @needs_packing
 @pytest.mark.parametrize("kernel", ["few_rows", "onednn"])
 def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, request, kernel):
-    from blockdraft.models import kernels
+    from blockdraft.ops import packed as kernels
 
     if kernel == "few_rows" and not few_rows.available():
         pytest.skip("the few-row kernel cannot run on this machine")
@@ -88,7 +90,7 @@ def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, reque
         request.getfixturevalue("onednn_only")
     torch.manual_seed(0)
     layer = nn.Linear(96, 300)
-    prepack(layer)
+    layer = prepack(layer)
     monkeypatch.setitem(kernels.SMALL_ROWS, (96, 300, torch.float32, torch.get_num_threads()), 1)  # packed always
     x = torch.randn(16, 96)
     with torch.inference_mode():
@@ -104,11 +106,11 @@ def test_packed_rows_are_bitwise_independent_of_the_row_count(monkeypatch, reque
 def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch, onednn_only):
     """Where the default kernel measured faster at few rows, those calls compute exactly what
     transformers computes; from that count up the packed kernel runs, row-independent as ever."""
-    from blockdraft.models import kernels
+    from blockdraft.ops import packed as kernels
 
     torch.manual_seed(0)
     layer = nn.Linear(96, 300)
-    prepack(layer)
+    layer = prepack(layer)
     key = (96, 300, torch.float32, torch.get_num_threads())
     x = torch.randn(16, 96)
     with torch.inference_mode():
@@ -124,7 +126,7 @@ def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch, 
     linear = nn.functional.linear
     monkeypatch.setattr(nn.functional, "linear", lambda x, w, *a: swept.add(w.data_ptr()) or linear(x, w, *a))
     monkeypatch.setattr(kernels, "STREAM_BYTES", 40 * 96 * 300 * 4)
-    rows = kernels.small_rows(layer.weight, layer.forward.packed)  # measured here, then cached
+    rows = kernels.small_rows(layer.weight, layer.packed)  # measured here, then cached
     assert 1 <= rows <= kernels.SMALL_ROWS_TRIED + 1 and kernels.SMALL_ROWS[key] == rows
     assert len(swept) == 40 and layer.weight.data_ptr() in swept
 
@@ -132,7 +134,7 @@ def test_calls_below_the_measured_row_count_run_the_default_kernel(monkeypatch, 
 @needs_packing
 def test_packed_layer_follows_weight_changes_and_training():
     layer = nn.Linear(8, 4)
-    prepack(layer)
+    layer = prepack(layer)
     x = torch.randn(3, 8)
     with torch.inference_mode():
         before = layer(x)
@@ -286,7 +288,7 @@ def test_shared_kv_heads_compute_what_transformers_sdpa_does_under_a_mask(monkey
         monkeypatch.setattr(few_rows, "attention", lambda *a: used.append(1) or kernel(*a))
         assert torch.allclose(logits(SHARED_KV_ATTENTION), theirs, atol=1e-5, rtol=1e-5)
         assert len(used) == target.num_layers
-    monkeypatch.setattr("blockdraft.models.kernels.few_row_attention_applies", lambda *a: False)
+    monkeypatch.setattr("blockdraft.ops.attention.few_row_attention_applies", lambda *a: False)
     assert torch.equal(logits(SHARED_KV_ATTENTION), theirs)
     calls = []
     import transformers.integrations.sdpa_attention as sdpa

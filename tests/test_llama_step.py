@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
 from blockdraft.decoding.tree import Tree
-from blockdraft.models import few_rows
+from blockdraft.ops import few_rows
 from blockdraft.models.llama_step import LlamaStep, matches_model
 
 pytestmark = pytest.mark.skipif(not few_rows.available(), reason="the few-row kernels do not run here")

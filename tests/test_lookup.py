@@ -27,8 +27,8 @@ def test_proposals_follow_the_most_recent_longest_match():
     assert found([7, 7, 7], 4) == ([7], 2)  # overlapping occurrence, next token exists
 
 
-@pytest.mark.parametrize("block_size", [None, 4, 16])
-def test_greedy_output_is_unchanged_with_lookup(target, block_size):
+@pytest.mark.parametrize("block_size, trees", [(None, None), (None, "auto"), (4, None), (16, None)])
+def test_greedy_output_is_unchanged_with_lookup(target, block_size, trees):
     plain = Engine(target)
     draft = tiny_draft(target, block_size=8)
     used = 0
@@ -38,7 +38,7 @@ def test_greedy_output_is_unchanged_with_lookup(target, block_size):
         oracle = OracleDraft(draft, truth, len(prompt), 0.7, seed=1)
         for engine in (Engine(target), Engine(target, draft), Engine(target, oracle)):
             res = engine.generate(prompt, GenerationConfig(max_new_tokens=48, stop_token_ids=(),
-                                                           block_size=block_size, lookup=True))
+                                                           block_size=block_size, lookup=True, tree_budget=trees))
             assert res.token_ids == truth
             assert sum(res.stats.acceptance_lengths) + 1 == 48
             used += res.stats.lookup_steps

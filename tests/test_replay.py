@@ -148,7 +148,7 @@ def test_cli_tau_replays_the_drafter_as_the_engine_runs_it(tmp_path):
     """`tau --draft-dtype int8`: the drafter with int8 weights computed in fp32, as the engine runs it
     (recorded in the report); the same prompt's tau stays close to the drafter as loaded."""
     from blockdraft.cli import bundled_drafter, main
-    from blockdraft.models import few_rows
+    from blockdraft.ops import few_rows
 
     if bundled_drafter("smollm2-135m") is None or not few_rows.available():
         pytest.skip("no bundled drafter or no few-row kernel")

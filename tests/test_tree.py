@@ -9,7 +9,7 @@ from blockdraft.decoding.engine import Engine, GenerationConfig, GenerationStats
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.oracle import OracleDraft
 from blockdraft.decoding.tree import LOOKUP, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
-from blockdraft.decoding.verify import verify_tree_greedy, verify_tree_sampled
+from blockdraft.decoding.verify import SamplingParams, verify_tree_greedy, verify_tree_sampled
 
 from conftest import tiny_draft, tiny_target
 from test_adaptive import SimulatedClock
@@ -324,27 +324,28 @@ def test_after_the_draft_a_lone_sequences_tree_is_cut_at_its_own_best_size():
     assert policy.best_size([1.0, 1.3, 1.4, 1.45, 1.5, 1.5, 1.5, 1.5], 8) == 8  # a measure of c(8) stands
 
 
-def test_the_commands_tree_default_is_trees_for_greedy_adaptive_decoding_and_chains_elsewhere():
-    """`generate` and `chat` verify trees of up to DEFAULT_TREE nodes unless told otherwise, where
-    trees were measured ahead (greedy, adaptive blocks); chains at T > 0, at a fixed block, without a
-    drafter and for a target that cannot keep a tree's path; `--tree 0` asks for chains."""
-    from types import SimpleNamespace
+def test_the_default_is_trees_for_greedy_adaptive_decoding_and_chains_elsewhere():
+    """A request (library, `generate`, `chat` and the server alike: `GenerationConfig.trees`)
+    verifies trees of up to DEFAULT_TREE nodes unless told otherwise, where trees were measured
+    ahead (greedy, adaptive blocks); chains at T > 0, at a fixed block, without a drafter and for
+    a target that cannot keep a tree's path; `--tree 0` (None) asks for chains."""
+    from blockdraft.cli.common import tree_option
+    from blockdraft.decoding.state import DEFAULT_TREE
 
-    from blockdraft.cli.common import DEFAULT_TREE, tree_budget
+    def trees(tree=None, block=None, temperature=0.0, draft=True, supports=True):
+        cfg = GenerationConfig(block_size=block, sampling=SamplingParams(temperature), tree_budget=tree_option(tree))
+        return cfg.validate().trees(draft, supports)
 
-    def engine(draft=True, trees=True):
-        return SimpleNamespace(draft=object() if draft else None, target=SimpleNamespace(supports_trees=trees))
-
-    assert tree_budget(None, None, 0.0, engine()) == DEFAULT_TREE
-    assert tree_budget(None, None, 0.7, engine()) is None
-    assert tree_budget(None, 4, 0.0, engine()) is None
-    assert tree_budget(None, None, 0.0, engine(draft=False)) is None
-    assert tree_budget(None, None, 0.0, engine(trees=False)) is None
-    assert tree_budget(0, None, 0.0, engine()) is None
-    assert tree_budget(8, 4, 0.7, engine()) == 8
+    assert GenerationConfig().tree_budget == "auto" and trees() == DEFAULT_TREE
+    assert trees(temperature=0.7) is None
+    assert trees(block=4) is None
+    assert trees(draft=False) is None
+    assert trees(supports=False) is None
+    assert trees(0) is None
+    assert trees(8, 4, 0.7) == 8
     for bad in (-1, 257):
-        with pytest.raises(BlockdraftError, match="--tree"):
-            tree_budget(bad, None, 0.0, engine())
+        with pytest.raises(BlockdraftError, match="tree_budget"):
+            trees(bad)
 
 
 @pytest.mark.parametrize("family", [f for f in SUPPORTED if f not in STATEFUL + SLIDING])

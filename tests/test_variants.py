@@ -135,7 +135,7 @@ def test_fewer_taps_read_the_columns_of_a_wider_cache(tiny_run):  # noqa: F811
 
 def _study(tiny_run, tmp_path, monkeypatch, **kw):  # noqa: F811
     """Study settings over a small random data directory; the prompt sets replaced by random ones."""
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
 
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -154,7 +154,7 @@ def _study(tiny_run, tmp_path, monkeypatch, **kw):  # noqa: F811
 
 
 def test_a_killed_study_continues_with_the_runs_it_lacks(tiny_run, tmp_path, monkeypatch):  # noqa: F811
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
 
     s = _study(tiny_run, tmp_path, monkeypatch)
     trained = []
@@ -203,7 +203,7 @@ def test_runs_side_by_side_score_as_the_serial_study_does(tiny_run, tmp_path, mo
     """--jobs 2: worker processes train and score the runs (the prompt sets travel from the parent);
     same seeds, same data, so the same scores as one after the other; the table is written once
     all are in, and its costs come from fresh drafters of each run's shape."""
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
 
     serial = _study(tiny_run, tmp_path, monkeypatch, runs=str(tmp_path / "serial"), out=str(tmp_path / "o1"))
     A.run_studies(serial, ["injection"], "x")
@@ -259,7 +259,7 @@ def test_soft_labels_of_one_token_give_the_hard_loss_and_a_run_trains_on_them(ti
 
 
 def test_a_continued_drafter_is_refused_for_studies_that_change_its_shape(tmp_path):
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
 
     s = A.StudySettings(data=str(tmp_path), init=str(tmp_path / "drafter"))
     for study in ("layers", "taps", "injection", "context"):
@@ -274,7 +274,7 @@ def test_a_continued_drafter_gains_taps_and_predicts_as_before(tiny_run, tmp_pat
     places among the new ones and the new taps' columns start at zero, so the widened drafter
     projects the context exactly as before; fewer or other taps are refused."""
     from blockdraft.models.target import load_target
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
     from blockdraft.training.warmstart import init_from_drafter, tap_columns
 
     assert tap_columns([1, 8, 14, 20, 27], [1, 4, 8, 11, 14, 17, 20, 24, 27]) == [0, 2, 4, 6, 8]

@@ -63,10 +63,10 @@ def load_engine(target: str, draft: str | None, device: str | None = None, dtype
     """The target plus the drafter: a path, 'none', or None for the bundled one (if any).
     dtype: the target's ('auto': fp32 on the CPU, bf16 on CUDA); draft_dtype: the drafter's
     ('auto': `fast_draft_dtype`); activations: "int8" turns on a GGUF target's int8-activation mode
-    (models/int8_activations.py) for this process."""
+    (ops/int8_activations.py) for this process."""
     from ..models.checkpoint import load_draft
     from ..decoding.engine import Engine
-    from ..models.kernels import fast_draft_dtype
+    from ..ops.precision import fast_draft_dtype
     from ..models.target import load_target
 
     if draft is not None and draft != "none" and not Path(draft).exists():
@@ -90,7 +90,7 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype (auto: float32 on the CPU, exact; bfloat16 on CUDA). bf16 on the CPU "
                         "is an opt-in whose speculative output may differ from plain bf16 decoding (see docs)")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES,
-                   help="the drafter's dtype; it cannot change the output (auto: see kernels.fast_draft_dtype; "
+                   help="the drafter's dtype; it cannot change the output (auto: see precision.fast_draft_dtype; "
                         "on a CPU with the few-row kernel, bfloat16 and int8 store the drafter's weights in "
                         "that type and compute in float32)")
 
@@ -109,32 +109,16 @@ def add_coupling_arg(p: argparse.ArgumentParser) -> None:
                         "by rejection sampling (docs/sampling.md)")
 
 
-DEFAULT_TREE = 16  # greedy decoding verifies token trees of up to 16 nodes unless told otherwise (docs/trees.md)
-
-
 def add_tree_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", type=int, default=None, metavar="N",
-                   help=f"verify token trees of up to N nodes instead of chains, the lookup continuation as one "
-                        f"more branch, N adaptive per step unless --block-size is given; 0: chains (default: "
-                        f"{DEFAULT_TREE} for greedy decoding at adaptive blocks, else chains)")
+                   help="verify token trees of up to N nodes instead of chains, the lookup continuation as one "
+                        "more branch, N adaptive per step unless --block-size is given; 0: chains (default: 16 "
+                        "for greedy decoding at adaptive blocks, else chains: GenerationConfig.trees)")
 
 
-def tree_budget(tree: int | None, block_size: int | None, temperature: float, engine) -> int | None:
-    """The node budget a command's `--tree` asks for (None: chains). Unset: trees of up to
-    DEFAULT_TREE nodes where they were measured ahead (greedy, adaptive blocks, a drafter, a target
-    whose cache can keep a tree's path), chains elsewhere (at a fixed `--block-size` a tree would
-    verify all DEFAULT_TREE nodes every step)."""
-    if tree is None:
-        ahead = block_size is None and temperature == 0 and engine.draft is not None
-        return DEFAULT_TREE if ahead and engine.target.supports_trees else None
-    return check_tree(tree) or None
-
-
-def check_tree(tree: int | None) -> int | None:
-    """`--tree`, refused before any work where it is out of range."""
-    if tree is not None and not 0 <= tree <= 256:
-        raise BlockdraftError(f"--tree must be in [0, 256] (0: chains; got {tree})")
-    return tree
+def tree_option(tree: int | None) -> int | str | None:
+    """`--tree` as `GenerationConfig.tree_budget`: unset, "auto" (the config's rule); 0, chains (None)."""
+    return "auto" if tree is None else (tree or None)
 
 
 def add_lookup_arg(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import BlockdraftError
-from .common import add_activations_arg, add_coupling_arg, add_dtype_args, add_lookup_arg, add_tree_arg, check_tree, load_engine, read_prompts, tree_budget
+from .common import add_activations_arg, add_coupling_arg, add_dtype_args, add_lookup_arg, add_tree_arg, load_engine, read_prompts, tree_option
 
 
 def cmd_generate(
@@ -20,13 +20,12 @@ def cmd_generate(
     from ..decoding.verify import SamplingParams
 
     rows = read_prompts(prompt, prompts_file)
-    sampling = SamplingParams(temperature, top_k, top_p, seed).validate()
-    check_tree(tree)
-    engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     base = GenerationConfig(
-        max_new_tokens=max_new_tokens, sampling=sampling, block_size=block_size, stop_strings=tuple(stop),
-        lookup=lookup, tree_budget=tree_budget(tree, block_size, temperature, engine), coupling=coupling,
-    )
+        max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p, seed),
+        block_size=block_size, stop_strings=tuple(stop), lookup=lookup, tree_budget=tree_option(tree),
+        coupling=coupling,
+    ).validate()  # before any work
+    engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     tgt = engine.target
     use_chat = tgt.has_chat_template if chat is None else chat
     if use_chat and not tgt.has_chat_template:
@@ -69,13 +68,9 @@ def cmd_chat(target: str, draft: str | None, max_new_tokens: int, temperature: f
     from ..decoding.engine import GenerationConfig
     from ..decoding.verify import SamplingParams
 
-    sampling = SamplingParams(temperature, 0, top_p, seed).validate()
-    if not 1 <= max_new_tokens <= 1_000_000:
-        raise BlockdraftError(f"--max-new-tokens must be in [1, 1000000] (got {max_new_tokens})")
-    check_tree(tree)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, 0, top_p, seed),
+                              lookup=lookup, tree_budget=tree_option(tree)).validate()  # before any work
     engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, lookup=lookup,
-                              tree_budget=tree_budget(tree, None, temperature, engine))
     if not engine.target.has_chat_template:
         raise BlockdraftError(f"target {target!r} has no chat template")
     chat_loop(engine, config, system)

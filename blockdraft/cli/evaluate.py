@@ -72,7 +72,7 @@ def _start_llamacpp(methods, target: str, draft: str | None, engine, prompts, ma
     """The llama.cpp peer for the bench's llamacpp methods (peer_llamacpp.py), as {method: peer}."""
     from ..evaluation.methods import parse_method
     from ..evaluation.methods import check_peer_greedy
-    from ..evaluation.peer_llamacpp import LlamaCppPeer, draft_tokens, server_binary
+    from ..lab.peer_llamacpp import LlamaCppPeer, draft_tokens, server_binary
     from ..models.target import target_gguf_file
 
     specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("llamacpp")}
@@ -85,7 +85,7 @@ def _start_llamacpp(methods, target: str, draft: str | None, engine, prompts, ma
     configs = {m: draft_tokens(s.name, s.block_size or block_size, drafter_block) for m, s in specs.items()}
     drafter_gguf = None
     if any(configs.values()):
-        from ..evaluation.peer_llamacpp import drafter_gguf_for_bench
+        from ..lab.peer_llamacpp import drafter_gguf_for_bench
 
         drafter_dir = bundled_drafter(target) if draft is None else None if draft == "none" else Path(draft)
         if drafter_dir is None:
@@ -102,7 +102,7 @@ def _start_vllm(methods, target: str, draft: str | None, engine, prompts, max_ne
     """The vLLM peer for the bench's vllm methods (peer_vllm.py), as {method: peer}."""
     from ..evaluation.methods import parse_method
     from ..evaluation.methods import check_peer_greedy
-    from ..evaluation.peer_vllm import DEFAULT_PYTHON, VllmPeer, speculative_tokens
+    from ..lab.peer_vllm import DEFAULT_PYTHON, VllmPeer, speculative_tokens
     from ..models.target import resolve_target_path
 
     specs = {m: s for m, s in ((m, parse_method(m)) for m in methods) if s.name.startswith("vllm")}
@@ -125,7 +125,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
             draft_dtype: str | None = None) -> None:
     """tau of drafters at temperature 0 and a fixed block size, by replay (see replay.py).
     draft_dtype: replay each drafter as the engine runs it in that dtype (its weights stored in bf16
-    or int8 where the few-row kernel runs, kernels.draft_precision); None: as loaded, in the target's."""
+    or int8 where the few-row kernel runs, precision.draft_precision); None: as loaded, in the target's."""
     from ..evaluation.datasets import load_prompts
     from ..models.checkpoint import check_fits, load_draft
     from ..decoding.engine import GenerationStats
@@ -149,7 +149,7 @@ def cmd_tau(target: str, draft: list[str] | None, dataset: str, limit: int | Non
     if draft_dtype is not None:
         from .common import parse_dtype
         from ..decoding.engine import Engine
-        from ..models.kernels import fast_draft_dtype
+        from ..ops.precision import fast_draft_dtype
 
         chosen = parse_dtype(draft_dtype, DRAFT_DTYPES) or fast_draft_dtype(tgt.device, tgt.dtype)
         for d in drafters:

@@ -155,11 +155,11 @@ def cmd_accuracy(data: str, drafters: list[str], target: str, device: str | None
 def cmd_ablate(studies: list[str], data: str, runs: str, out: str, target: str, steps: int, prompts: int,
                max_new_tokens: int, init: str, batch_size: int, labels: str, features: str, target_dtype: str,
                jobs: int, list_studies: bool, lr: float = 1e-3, anchors: int = 16, gamma: float | None = None) -> None:
-    """DFlash's ablations, one change at a time, scored by held-out acceptance (training/ablate.py)."""
+    """DFlash's ablations, one change at a time, scored by held-out acceptance (lab/ablate.py)."""
     import shlex
     import sys
 
-    from ..training.ablate import STUDIES, StudySettings, run_studies
+    from ..lab.ablate import STUDIES, StudySettings, run_studies
 
     if list_studies or not studies:
         for name, (runs_, blocks) in STUDIES.items():

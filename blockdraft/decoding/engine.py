@@ -24,9 +24,11 @@ import torch
 from .gumbel import Chooser, PositionNoise
 from ..models.checkpoint import check_fits
 from ..models.draft import DraftCache, DraftModel
-from ..models.kernels import draft_precision, prepack
-from ..models.norms import fuse_norms
-from .planner import Planner, Policies, StepRecord
+from ..ops.norms import fuse_norms
+from ..ops.packed import prepack
+from ..ops.precision import draft_precision
+from .planner import Planner, StepRecord
+from .policies import Policies
 from .propose import LOOKUP_BLOCK, DraftWanted, Proposal, Proposers, draft_blocks  # noqa: F401  (LOOKUP_BLOCK: re-exported)
 from .slots import OwnCache, RowBlock, SlotCache
 from .state import (  # noqa: F401  (re-exported: what callers of the engine use)
@@ -83,7 +85,8 @@ def start(target: Target, draft: DraftModel | None, prompt_ids: list[int], confi
         else:
             gen = torch.Generator(device=target.device).manual_seed(seed)
     choose = Chooser(params, noise)
-    proposers = Proposers.for_request(config, draft is not None, draft.block_size if draft else 1, policies)
+    proposers = Proposers.for_request(config, draft is not None, draft.block_size if draft else 1, policies,
+                                      config.trees(draft is not None, target.supports_trees))
     taps = draft.cfg.target_layer_ids if draft is not None and proposers.block_size > 1 else None
     budget = min(config.max_new_tokens, target.max_context - len(prompt_ids))
     t0 = clock()
@@ -112,8 +115,7 @@ def propose(seq: Sequence, target: Target, cap: int | None) -> Proposal | DraftW
     Where the drafter must run, what it is asked for (`DraftWanted`)."""
     p = seq.proposers
     room = seq.room
-    adapts = p.chain is not None or p.tree is not None or p.lookup_adaptive
-    if cap is not None and adapts:
+    if cap is not None and p.adapts:
         room = min(room, cap)
     history = seq.prompt_ids + seq.stopper.generated
     if p.tree_budget is None or (p.tree is not None and cap is None):
@@ -275,7 +277,7 @@ class Engine:
         draft_dtype: torch.dtype | None = None,
     ):
         """`draft_dtype`: what the drafter computes in (default: the target's). Its numerics cannot
-        change the output, so a cheaper dtype is free where the hardware has one (`kernels.fast_draft_dtype`)."""
+        change the output, so a cheaper dtype is free where the hardware has one (`precision.fast_draft_dtype`)."""
         target.check_exact()  # a target whose cache cannot roll back exactly is refused here, before any work
         if draft is not None:
             check_fits(draft.cfg, target)

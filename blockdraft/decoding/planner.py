@@ -1,10 +1,5 @@
-"""What the adaptive choices learn, and a batch step planned and learned from it.
+"""A batch step planned, and learned from, over the engine's `Policies` (policies.py).
 
-- `Policies`: everything learned, kept across requests (the Engine's), typed by what it chooses:
-  the drafter's block (by its largest), prompt lookup's block (by n-gram and largest block), a
-  tree's acceptance rates (by proposal mode) and node budget, a batch's block (by largest block
-  and batch size); sampled requests keep a set per temperature band (acceptance, and so what
-  pays, falls with the temperature).
 - `Planner.plan`: with several sequences, the block the batch verifies, from the cost of a step of
   that many and what its sequences expect to accept (`LoadPolicy`); alone, each request's own
   policies choose in propose.py.
@@ -15,46 +10,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .adaptive import AdaptiveBlockPolicy, LoadPolicy, TreeBudgetPolicy, load_policy
+from .adaptive import LoadPolicy, load_policy
+from .policies import Policies
 from .propose import Proposal
-from .tree import TreeRates
-from .verify import SamplingParams, Verdict
-
-BANDS = (0.5, 0.85, 1.15)  # temperature bands' upper ends (the last band: above them)
-
-
-@dataclass
-class Policies:
-    """What the adaptive choices learned (see the module's docstring)."""
-
-    chains: dict[int, AdaptiveBlockPolicy] = field(default_factory=dict)  # by largest block
-    lookups: dict[tuple[int, int], AdaptiveBlockPolicy] = field(default_factory=dict)  # by (n-gram, largest block)
-    tree_rates: dict[str, TreeRates] = field(default_factory=dict)  # by mode: greedy, coupled, argmax, sampled
-    trees: dict[tuple[int, int, bool], TreeBudgetPolicy] = field(default_factory=dict)  # by (budget, block, lookup)
-    loads: dict[tuple[int, int], LoadPolicy] = field(default_factory=dict)  # by (largest block, batch size)
-    bands: dict[int, "Policies"] = field(default_factory=dict)  # sampled requests', by temperature band
-
-    def band(self, params: SamplingParams) -> "Policies":
-        """A request's: greedy, these; sampled, its temperature band's."""
-        if params.greedy:
-            return self
-        band = next((i for i, top in enumerate(BANDS) if params.temperature <= top), len(BANDS))
-        return self.bands.setdefault(band, Policies())
-
-    def chain(self, block: int) -> AdaptiveBlockPolicy:
-        return self.chains.setdefault(block, AdaptiveBlockPolicy(block))
-
-    def lookup(self, ngram: int, block: int) -> AdaptiveBlockPolicy:
-        return self.lookups.setdefault((ngram, block), AdaptiveBlockPolicy(block))
-
-    def rates(self, mode: str) -> TreeRates:
-        return self.tree_rates.setdefault(mode, TreeRates())
-
-    def tree(self, budget: int, block: int, lookup: bool) -> TreeBudgetPolicy:
-        return self.trees.setdefault((budget, block, lookup), TreeBudgetPolicy(budget))
-
+from .tree import plan_trees
+from .verify import Verdict
 
 @dataclass
 class StepRecord:
@@ -82,24 +44,28 @@ class Planner:
         self.max_step_tokens = max_step_tokens  # with several sequences: blocks of at most this many tokens in all
 
     def plan(self, sequences: list) -> BatchPlan:
-        """With several sequences, the block choice for this many, planned with the sequences'
-        expected tokens: a chain's own acceptance; a tree's or a lookup's, the shared chain
-        rates; one whose block does not follow the batch's, one token a step."""
-        if len(sequences) < 2 or self.draft_block is None:
+        """With several sequences, the block choice for this many (a tree's: its node budget),
+        planned with the sequences' expected tokens: a chain's own acceptance; a tree's, the best
+        tree of that many nodes under its rates; a lookup's, the shared chain rates; one whose
+        block does not follow the batch's, one token a step."""
+        adapting = [s.proposers.adapts for s in sequences]
+        if len(sequences) < 2 or self.draft_block is None or not any(adapting):
             return BatchPlan()
         policies = sequences[0].proposers.policies  # the first sequence's temperature band's
-        chain = policies.chains.get(self.draft_block)
-        if chain is None:
-            return BatchPlan()
+        chain = policies.chain(self.draft_block)
         load = load_policy(policies.loads, chain, len(sequences))
+        blocks = range(1, load.max_block + 1)
 
-        def expected(p, block: int) -> float:
+        def expected(p) -> list[float]:  # E(b) for b in blocks
             if p.own is not None:
-                return p.own.expected_tokens(block)
-            return chain.expected_tokens(block) if p.tree is not None or p.lookup_adaptive else 1.0
+                return [p.own.expected_tokens(b) for b in blocks]
+            if p.tree is not None:
+                trees = plan_trees(p.rates, p.block_size - 1, p.tree_budget).expected
+                return [trees[min(b, len(trees)) - 1] for b in blocks]
+            return [chain.expected_tokens(b) if p.lookup_adaptive else 1.0 for b in blocks]
 
-        load.plan([sum(expected(s.proposers, b) for s in sequences) / len(sequences)
-                   for b in range(1, load.max_block + 1)])
+        rows = [expected(s.proposers) for s in sequences]
+        load.plan([sum(col) / len(rows) for col in zip(*rows)])
         cap = load.choose()
         if self.max_step_tokens is not None:
             cap = max(1, min(cap, self.max_step_tokens // len(sequences)))

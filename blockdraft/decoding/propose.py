@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from .adaptive import AdaptiveBlockPolicy, SequenceRates, TreeBudgetPolicy
 from .lookup import lookup_proposals
+from .policies import Policies
 from ..models.vocab import Ranked, ranked, top_ids
 from .tree import WIDTH, Tree, TreeRates, build_tree, draft_candidates, plan_trees, truncate
 from .gumbel import Chooser
 from .verify import SamplingParams, probs_from_logits, sample
-
-if TYPE_CHECKING:
-    from .planner import Policies
 
 LOOKUP_BLOCK = 11  # with `lookup`: anchor + up to 10 proposals (transformers' documented example value)
 
@@ -70,10 +68,12 @@ class Proposers:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     greedy_proposals: bool = True  # drafts are the drafter's top tokens (else drawn from q)
     coupled: bool = False  # T > 0 with the Gumbel coupling: drafts are the drafter's best perturbed scores (gumbel.py)
-    policies: "Policies | None" = None  # the engine's, for this request's temperature band (planner.py)
+    policies: Policies | None = None  # the engine's, for this request's temperature band
 
     @classmethod
-    def for_request(cls, config, has_draft: bool, drafter_block: int, policies: "Policies") -> "Proposers":
+    def for_request(cls, config, has_draft: bool, drafter_block: int, policies: Policies,
+                    trees: int | None = None) -> "Proposers":
+        """`trees`: the request's node budget (`GenerationConfig.trees`; None: chains)."""
         params = config.sampling
         block_size = 1 if not has_draft else (config.block_size or drafter_block)
         coupled = not params.greedy and config.coupling == "gumbel"
@@ -85,7 +85,7 @@ class Proposers:
         greedy_proposals = params.greedy or coupled or config.proposal == "greedy"
         policies = policies.band(params)
         p = cls(block_size, sampling=params, greedy_proposals=greedy_proposals, coupled=coupled, policies=policies)
-        tree = config.tree_budget is not None and block_size > 1
+        tree = trees is not None and block_size > 1
         if has_draft and adaptive and not tree:
             p.chain = policies.chain(block_size)
             p.own = SequenceRates(block_size, prior=p.chain.alphas())
@@ -93,14 +93,19 @@ class Proposers:
             p.lookup_block = config.block_size or LOOKUP_BLOCK
             p.lookup_adaptive = adaptive
         if tree:
-            p.tree_budget = config.tree_budget
+            p.tree_budget = trees
             mode = "greedy" if params.greedy else "coupled" if coupled else "argmax" if greedy_proposals else "sampled"
             # the rates depend on verdicts only, but a seeded request must not see another's (where
             # the tree's shape changes its text: rejection sampling)
             p.rates = TreeRates() if reproducible else policies.rates(mode)
             if adaptive:
-                p.tree = policies.tree(config.tree_budget, block_size, config.lookup)
+                p.tree = policies.tree(trees, block_size, config.lookup)
         return p
+
+    @property
+    def adapts(self) -> bool:
+        """Whether this request's block (or tree size) is chosen per step, so a batch may cap it."""
+        return self.chain is not None or self.tree is not None or self.lookup_adaptive
 
     def propose_lookup(self, history: list[int], room: int, batched: bool = False) -> Proposal | None:
         """Prompt-lookup tokens where they are expected to pay, else None. `batched`: the step is

@@ -14,9 +14,10 @@ model's own causal mask is the same. Plain attention layers only: a sliding wind
 state is not a set of slots (`Target.supports_trees`); such targets decode one sequence at a time.
 A sequence joins with the cache of its own prefill (`join`) and leaves with its row (`leave`).
 
-A forward appends to every layer in place, into spare room after the slots (`_append_in_place`):
-transformers' cache layer concatenates, copying the whole cache of every layer at every step (a
-quarter of a 16-sequence step's time on SmolLM2, `python scripts/batch_forward.py`).
+A forward appends to every layer in place, into spare room after the slots: the cache's layers
+are `SlotLayer`s (cache.py), swapped in for the prefill's at the first join, where transformers'
+layer concatenates, copying the whole cache of every layer at every step (a quarter of a
+16-sequence step's time on SmolLM2, `python scripts/batch_forward.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.cache import kv_room
+from ..models.cache import SlotLayer
 
 COMPACT_AT = 0.25  # compact the rows once that would cut this fraction of the slots
 
@@ -101,8 +102,7 @@ class SlotCache:
         n = kv.get_seq_length()
         if self.kv is None:
             self.kv, self.valid, self.lengths = kv, torch.ones(1, n, dtype=torch.bool), [n]
-            for layer in kv.layers:
-                layer.update = _append_in_place.__get__(layer)
+            kv.layers[:] = [SlotLayer.of(layer) for layer in kv.layers]  # appending in place (cache.py)
             return
         s = max(self.slots, n)
         for mine, theirs in zip(self.kv.layers, kv.layers):
@@ -207,17 +207,6 @@ def _gather_slots(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The slots `order` [B, S'] of each row of K or V [B, H, S, D], as a new tensor [B, H, S', D]."""
     idx = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, H, S', D]
     return t.gather(2, idx)
-
-
-def _append_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-    """A plain attention cache layer's `update` (transformers' `DynamicLayer`, whose own update
-    concatenates): the new K/V [B, H, T, D] are written into the room after the layer's slots in
-    its buffer (`cache.kv_room`), and the layer's keys/values become the buffer's first slots."""
-    b, h, t, dk = keys.shape
-    kbuf, vbuf, n = kv_room(layer, b, h, t, dk, values.shape[3], keys)
-    kbuf[:, :, n:n + t], vbuf[:, :, n:n + t] = keys, values
-    layer.keys, layer.values = kbuf[:, :, :n + t], vbuf[:, :, :n + t]
-    return layer.keys, layer.values
 
 
 def _pad(t: torch.Tensor, s: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from .verify import SamplingParams
 
 
 STOP_WINDOW_TOKENS = 32  # stop strings are looked for in the text of this many last tokens
+DEFAULT_TREE = 16  # greedy decoding verifies token trees of up to 16 nodes unless told otherwise (docs/trees.md)
 
 
 @dataclass
@@ -29,8 +30,35 @@ class GenerationConfig:
     # does not depend on the schedule); "rejection": drafts verified by rejection sampling (verify.py)
     proposal: str = "sample"  # with rejection sampling: "sample" drafts from q, "greedy" proposes argmax q
     lookup: bool = True  # also propose prompt-lookup continuations (lookup.py) where they pay
-    tree_budget: int | None = None  # verify token trees of up to this many nodes instead of chains (tree.py):
-    # adaptive n with block_size None (down to plain steps), else always this many; lookup as a branch
+    tree_budget: int | str | None = "auto"  # verify token trees of up to this many nodes instead of chains
+    # (tree.py): adaptive n with block_size None (down to plain steps), else always this many; lookup as a
+    # branch. "auto": `trees` decides; None: chains
+
+    def trees(self, has_draft: bool, supports_trees: bool) -> int | None:
+        """The node budget this request verifies (None: chains). "auto": trees of up to DEFAULT_TREE
+        nodes where they were measured ahead (greedy, adaptive blocks, a drafter, a target whose
+        cache can keep a tree's path), chains elsewhere (at a fixed block a tree would verify all
+        its nodes every step). The library, the CLI and the server all decode by this rule."""
+        if self.tree_budget != "auto":
+            return self.tree_budget
+        ahead = self.block_size is None and self.sampling.greedy and has_draft and supports_trees
+        return DEFAULT_TREE if ahead else None
+
+    def validate(self) -> "GenerationConfig":
+        """Every field in range, before any work (whatever the target: `validate_request` adds its checks)."""
+        self.sampling.validate()
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= 1_000_000:
+            raise BlockdraftError(f"max_new_tokens must be an integer in [1, 1000000] (got {self.max_new_tokens})")
+        if self.block_size is not None and not 1 <= self.block_size <= 256:
+            raise BlockdraftError(f"block_size must be in [1, 256] (got {self.block_size})")
+        if self.coupling not in ("gumbel", "rejection"):
+            raise BlockdraftError(f"coupling must be 'gumbel' or 'rejection' (got {self.coupling!r})")
+        if self.proposal not in ("sample", "greedy"):
+            raise BlockdraftError(f"proposal must be 'sample' or 'greedy' (got {self.proposal!r})")
+        t = self.tree_budget
+        if t not in (None, "auto") and not (isinstance(t, int) and 1 <= t <= 256):
+            raise BlockdraftError(f"tree_budget must be in [1, 256], 'auto' or None for chains (got {t!r})")
+        return self
 
 
 @dataclass
@@ -165,28 +193,17 @@ class Stopper:
 
 
 def validate_request(target: Target, prompt_ids: list[int], config: GenerationConfig) -> None:
-    config.sampling.validate()
+    config.validate()
     if not prompt_ids:
         raise BlockdraftError("the prompt is empty: at least one token is needed")
-    if not isinstance(config.max_new_tokens, int) or not 1 <= config.max_new_tokens <= 1_000_000:
-        raise BlockdraftError(f"max_new_tokens must be an integer in [1, 1000000] (got {config.max_new_tokens})")
     if len(prompt_ids) >= target.max_context:
         why = f" ({target.name!r}: {target.rope_limit.reason()})" if target.rope_limit is not None else ""
         raise BlockdraftError(
             f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}{why}"
         )
-    if config.block_size is not None and not 1 <= config.block_size <= 256:
-        raise BlockdraftError(f"block_size must be in [1, 256] (got {config.block_size})")
-    if config.coupling not in ("gumbel", "rejection"):
-        raise BlockdraftError(f"coupling must be 'gumbel' or 'rejection' (got {config.coupling!r})")
-    if config.proposal not in ("sample", "greedy"):
-        raise BlockdraftError(f"proposal must be 'sample' or 'greedy' (got {config.proposal!r})")
-    if config.tree_budget is not None:
-        if not 1 <= config.tree_budget <= 256:
-            raise BlockdraftError(f"tree_budget must be in [1, 256] (got {config.tree_budget})")
-        if not target.supports_trees:
-            raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
-                                  f"{target.name!r} has {sorted(set(target.cache_kinds))}")
+    if isinstance(config.tree_budget, int) and not target.supports_trees:  # asked for ("auto" gives chains)
+        raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
+                              f"{target.name!r} has {sorted(set(target.cache_kinds))}")
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise BlockdraftError(f"prompt token ids {bad[:5]} are outside the vocabulary of {target.vocab_size}")

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from ..errors import BlockdraftError
 from .tree import LOOKUP, Tree
-
-if TYPE_CHECKING:
-    from .gumbel import Chooser
 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below this decode greedily
@@ -245,7 +242,20 @@ def verify_tree_sampled(tree: Tree, p_at: Callable[[int], torch.Tensor],
         path.append(accepted)
 
 
-def verify(draft: Tree, rows: RowSource, choose: "Chooser", generator: torch.Generator | None = None,
+class Chooses(Protocol):
+    """A request's token at a position from the target's row there (gumbel.py's `Chooser`)."""
+
+    params: SamplingParams
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy or Gumbel-coupled: the token is a function of the row (verdicts are equality tests)."""
+
+    def pick(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Rows [n, V] at these positions -> their tokens [n]."""
+
+
+def verify(draft: Tree, rows: RowSource, choose: Chooses, generator: torch.Generator | None = None,
            position: int = 0) -> Verdict:
     """The verdict on a draft (its root the anchor, at `position`) from the target's rows [N, V]
     over its nodes, read lazily (`rows(a, b)`: rows a..b-1, the LM head run on those alone).

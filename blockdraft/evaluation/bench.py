@@ -30,8 +30,9 @@ import torch
 
 from ..decoding.engine import LOOKUP_BLOCK, Engine, GenerationConfig, add_counts
 from ..errors import BlockdraftError
-from ..models.int8_activations import int8_activations, require as require_int8
-from ..models.kernels import packed_kernel, use_packed
+from ..ops.int8_activations import int8_activations, require as require_int8
+from ..ops.packed import packed_kernel
+from ..ops.switch import use_packed
 from ..decoding.oracle import OracleDraft
 from .methods import EXACT_PEERS, PEER_NAMES, check_methods, check_peer_greedy, parse_method, peer_of
 from .results import MethodResult
@@ -104,7 +105,7 @@ def measure_costs(target, draft, prompt_ids: list[int], block_size: int, repeats
     """Seconds of a target forward over b new tokens (b = 1..max(B, verify_size), after the prompt)
     and of one draft forward for a block of B: the cost model behind the ceiling speedup."""
     from ..models.draft import DraftCache
-    from ..models.profile import timed as timed_on
+    from ..lab.profiling import timed as timed_on
 
     def timed(fn) -> float:
         return timed_on(fn, target.device, repeats)
@@ -160,7 +161,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
     prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
-    `packed=False`: our engine on transformers' own linear kernels too (kernels.py), the
+    `packed=False`: our engine on transformers' own linear kernels too (ops/packed.py), the
     "before" of the fast forward; hf methods always run those. `peer`: {method: a started
     peer_vllm.VllmPeer or peer_llamacpp.LlamaCppPeer} for the other engines' methods. `journal`: a file where each prompt's figures are
     appended as it ends; the prompts it already holds (from an interrupted run of the same
@@ -222,7 +223,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
         if name == "hf-assisted":
             return _run_hf(target, ids, cfg, res, assistant_model=assistant.model)
         if peer_of(name):
-            from .peer_vllm import run_peer
+            from ..lab.peer_vllm import run_peer
 
             return run_peer(peer[method], method, ids, cfg.max_new_tokens, res)
         if name == "oracle":
@@ -272,7 +273,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
             journal.record(i, mine, sample)
     step_profile = None
     if profile:  # at the first prompt's context halfway through its generation, as the cost model
-        from ..models.profile import BLOCKS, profile_step
+        from ..lab.profiling import BLOCKS, profile_step
 
         first = prompts[0] + next(iter(results.values())).outputs[0][: max_new_tokens // 2]
         with use_packed(packed):
@@ -377,7 +378,7 @@ def format_table(report: dict) -> str:
         for m, ph in phased.items():
             lines.append(f"{m:<16}" + "".join(f"{ph[p]:>10}" for p in phases) + f"{round(sum(ph.values()), 2):>10}")
     if report.get("step_profile_ms"):
-        from ..models.profile import format_profile
+        from ..lab.profiling import format_profile
 
         lines.append(format_profile(report["step_profile_ms"]))
     return "\n".join(lines)

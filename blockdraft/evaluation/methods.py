@@ -13,7 +13,7 @@ PEERS = ("vllm", "llamacpp")  # other engines' methods start with these (run in 
 PEER_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 EXACT_PEERS = ("vllm",)  # peers computing with our weights and precision: a text of theirs that differs is a mismatch
 TREE_BUDGET = 32  # `+tree` without N: trees of up to 32 nodes
-DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")  # a drafter's (int8: its weights, kernels.draft_precision)
+DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")  # a drafter's (int8: its weights, precision.draft_precision)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class MethodSpec:
     lookup: bool = False  # prompt-lookup proposals too: dflash's default (`dflash-lookup`: off), `ar+lookup`
     tree_budget: int | None = None  # `+treeN`: verify a token tree of N nodes instead of a chain (tree.py)
     draft_dtype: str | None = None  # `/int8`: this method's own copy of the drafter, in that dtype (--draft-dtype's)
-    q8: bool = False  # `+q8`: a GGUF target's activations quantized to int8 (models/int8_activations.py)
+    q8: bool = False  # `+q8`: a GGUF target's activations quantized to int8 (ops/int8_activations.py)
 
 
 def parse_method(method: str, default_keep: float = 0.9) -> MethodSpec:

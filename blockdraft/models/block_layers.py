@@ -19,7 +19,7 @@ import transformers.models.llama.modeling_llama as _llama  # the forward BlockAt
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .gguf_blocks import BlockPanels
+from ..ops.gguf_blocks import BlockPanels
 from .gguf_target import BlockLinear
 
 FUSED_ATTENTION = ("LlamaAttention",)  # forward: q, k, v, RoPE, cache update, attention interface, o

@@ -25,6 +25,7 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import BlockdraftError
 
@@ -32,7 +33,7 @@ from ..errors import BlockdraftError
 def _layer_kinds() -> dict[type, str]:
     from transformers import cache_utils as cu
 
-    return {cu.DynamicLayer: "attention", cu.DynamicIndexedLayer: "attention",
+    return {cu.DynamicLayer: "attention", SlotLayer: "attention", cu.DynamicIndexedLayer: "attention",
             cu.DynamicSlidingWindowLayer: "sliding", cu.LinearAttentionLayer: "state",
             cu.LinearAttentionAndFullAttentionLayer: "state+attention",
             cu.LinearAttentionAndSlidingWindowAttentionLayer: "state+sliding"}
@@ -194,12 +195,38 @@ def kv_room(layer, batch: int, heads: int, t: int, dk: int, dv: int,
     return buf[0], buf[1], n
 
 
+class SlotLayer(DynamicLayer):
+    """A plain attention cache layer whose `update` writes the new K/V [B, H, T, D] into the room
+    after its slots in a buffer (`kv_room`) instead of concatenating (transformers' `DynamicLayer`
+    copies the whole cache of every layer at every step: a quarter of a 16-sequence step's time on
+    SmolLM2, `python scripts/batch_forward.py`); its keys/values are the buffer's first slots. The
+    slot cache's layers (decoding/slots.py), swapped in for the prefill's `DynamicLayer`s."""
+
+    @classmethod
+    def of(cls, layer: DynamicLayer) -> "SlotLayer":
+        """The same entries (keys, values and their buffer, shared) in a layer of this class."""
+        new = cls()
+        new.__dict__.update(layer.__dict__)
+        return new
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        b, h, t, dk = keys.shape
+        kbuf, vbuf, n = kv_room(self, b, h, t, dk, values.shape[3], keys)
+        kbuf[:, :, n:n + t], vbuf[:, :, n:n + t] = keys, values
+        self.keys, self.values = kbuf[:, :, :n + t], vbuf[:, :, :n + t]
+        return self.keys, self.values
+
+
+def plain_attention(layer) -> bool:
+    """Whether a cache layer is plain attention K/V: transformers' DynamicLayer or our SlotLayer
+    (not a sliding window, a recurrent state or any other subclass)."""
+    return type(layer) is DynamicLayer or type(layer) is SlotLayer
+
+
 def tree_capable(kv) -> bool:
     """Whether every layer is plain attention K/V (what `keep_positions` can compact)."""
-    from transformers.cache_utils import DynamicLayer
-
     layers = kv.layers or [DynamicLayer()]
-    return all(type(layer) is DynamicLayer for layer in layers)
+    return all(plain_attention(layer) for layer in layers)
 
 
 def keep_positions(kv, start: int, keep: list[int]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from .draft import SCALED_ROPE_TYPES, DraftConfig, DraftModel, init_scale_check
 from .draft_config import EMBEDDING_TAP
+from .files import fsync_path, save_safetensors
 from ..errors import BlockdraftError
 
 _REQUIRED = (
@@ -178,27 +179,6 @@ def _stamp(config: dict, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor
     return h.hexdigest()[:16]
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str]) -> None:
-    """safetensors' `save_file`, with the metadata in sorted order: safetensors writes it in hash
-    order, which differs from one process to the next, and a drafter saved twice (a committed one
-    saved again) should be the same bytes. Reordering keys keeps the header's length, so the
-    tensors' offsets stay as they are."""
-    import struct
-
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "r+b") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        raw = f.read(size)
-        header = json.loads(raw)
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        again = json.dumps(header, separators=(",", ":")).encode()
-        if len(again) == len(raw.rstrip(b" ")):  # as serde wrote it, but for the order: rewrite in place
-            f.seek(8)
-            f.write(again)
-
-
 def _replace_file(directory: Path, name: str, write) -> None:
     """Put `name` in place whole: written to `.NAME.tmp` by `write(path)`, fsynced, renamed. A
     fixed temp name, so that one a kill leaves behind is overwritten by the next save, not piled up."""
@@ -207,22 +187,6 @@ def _replace_file(directory: Path, name: str, write) -> None:
     os.chmod(tmp, 0o644)  # a checkpoint is meant to be shared
     fsync_path(tmp)
     os.replace(tmp, directory / name)
-
-
-def fsync_path(path) -> None:
-    """Flush a file's data (or a directory's entries: a rename in it) to the disk, so that a save
-    survives losing the machine too, not only a killed process. A directory cannot be opened for
-    this on some systems (Windows): there the file system keeps the rename as it may."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:

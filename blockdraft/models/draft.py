@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import few_rows
-from .norms import runs_fused
+from ..ops import few_rows
+from ..ops.norms import runs_fused
 from .vocab import Ranked, SubsetHead, ranked, top_ids
 from .draft_cache import DraftCache  # noqa: F401  (re-exported: the drafter's cache, beside the drafter)
 from .draft_config import (  # noqa: F401  (re-exported: the drafter's config, beside the drafter)
@@ -82,7 +82,7 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
 
 def norm_rope(norm: nn.Module, x: torch.Tensor, cos_sin: tuple) -> torch.Tensor:
     """Per-head `norm` then RoPE: x [B, T, heads, D] -> [B, heads, T, D]; one fused pass where `norm`
-    runs fused (norms.py), else as written."""
+    runs fused (ops/norms.py), else as written."""
     if not runs_fused(norm, x):
         return apply_rope(norm(x).transpose(1, 2), cos_sin)
     cos, sin = cos_sin  # [T, D] or [B, 1, T, D]
@@ -213,7 +213,7 @@ class DraftModel(nn.Module):
         # the draft vocabulary subset (vocab.py), sorted target ids; None: the full vocabulary
         self.vocab_ids: torch.Tensor | None = None
         self._subset_head = None  # ((the target head's weight, dtype, subset, storage), its SubsetHead), made on first use
-        self.weight_storage: torch.dtype | None = None  # bf16: the packed linear layers' weights (Engine, kernels.draft_precision)
+        self.weight_storage: torch.dtype | None = None  # bf16: the packed linear layers' weights (Engine, precision.draft_precision)
         self._rope_scaling = None  # (inv_freq, factor) of its RoPE, made on first use
 
     @staticmethod
@@ -246,12 +246,12 @@ class DraftModel(nn.Module):
             return lm_head
         key = (blocks if blocks is not None else lm_head.weight, self.dtype, self.vocab_ids, self.weight_storage)
         if self._subset_head is None or any(a is not b for a, b in zip(self._subset_head[0], key)):
-            from .kernels import prepack
+            from ..ops.packed import prepack
 
             weight = lm_head.weight
             ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(weight.shape[0])
             head = SubsetHead(weight.detach().to(self.dtype), ids)
-            prepack(head, self.weight_storage)
+            head = prepack(head, self.weight_storage)
             self._subset_head = (key, head)
         return self._subset_head[1]
 

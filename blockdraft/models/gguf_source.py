@@ -140,7 +140,7 @@ def gguf_blocks_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a GGUF target keeps its linear layers in their blocks (gguf_target.py): on the CPU in
     fp32 where the few-row kernel runs (AVX2, FMA and F16C), unless BLOCKDRAFT_GGUF_BLOCKS=0. Where
     it does not run, the target computes on its dequantized fp32 weights, and says so once."""
-    from . import few_rows
+    from ..ops import few_rows
 
     global _said_no_blocks
     if os.environ.get("BLOCKDRAFT_GGUF_BLOCKS", "1") == "0" or device.type != "cpu" or dtype != torch.float32:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import few_rows, int8_activations
-from .gguf_blocks import KINDS, BlockPanels, block_linear, dequantize, kind_name, pack_blocks
-from .kernels import _packed_enabled
+from ..ops import few_rows, int8_activations
+from ..ops.gguf_blocks import KINDS, BlockPanels, block_linear, dequantize, kind_name, pack_blocks
+from ..ops.switch import packed_enabled
 
 # calls of this many rows or more (a long prompt's prefill) multiply the dequantized fp32 weight
 # with oneDNN, as the fp32 target does above the few-row kernel's 64 rows: 2,000 prompt tokens took
@@ -39,7 +39,7 @@ CHECK_COLUMNS = 3  # input columns of each weight compared bitwise with the load
 class BlockLinear(nn.Module):
     """A linear layer computed from GGUF blocks (fp32 in, fp32 out): fewer than DENSE_ROWS rows by
     the block kernel (`rows_kernel`), calls of DENSE_ROWS or more (a long prompt) by oneDNN on the
-    dequantized weight, as the fp32 target's prefill runs; within `kernels.use_packed(False)`, and
+    dequantized weight, as the fp32 target's prefill runs; within `switch.use_packed(False)`, and
     where a gradient must flow through it, transformers' way, on the dequantized weight."""
 
     def __init__(self, panels: BlockPanels, bias: torch.Tensor | None):
@@ -58,7 +58,7 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the kernel has no backward: a gradient through the layer (training a drafter against the
         # target's head) takes transformers' way, on the same fp32 weight
-        if not _packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" \
+        if not packed_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" \
                 or (x.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, self.weight.to(x), self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -72,7 +72,7 @@ class BlockLinear(nn.Module):
         checks. Made once, over the layer's tensors as they are (a block layer runs on the CPU
         only): a decode step (llama_step.py) calls it directly, 120 times a token."""
         if self._rows_kernel is None:
-            p, bias, ext = self.panels, self.bias, few_rows._load()
+            p, bias, ext = self.panels, self.bias, few_rows.library()
             m, kind, n = p.m if p.m is not None else p.d.new_empty(0), KINDS[p.kind].number, p.out_features
 
             def call(rows: torch.Tensor) -> torch.Tensor:

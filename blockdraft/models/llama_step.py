@@ -4,7 +4,7 @@ Once the linear layers compute from GGUF blocks, SmolLM2's one-token forward was
 kernels inside ~19.5 ms: the rest was transformers' per-module Python (decorators, keyword
 arguments, output recording hooks, the mask and cache machinery) and some sixteen small ops a layer
 for the rotary embedding and the cache's copy. `LlamaStep.forward` runs the same kernels on the same
-tensors, in transformers' order, from one loop: the fused norms (norms.py), the projections as
+tensors, in transformers' order, from one loop: the fused norms (ops/norms.py), the projections as
 modules (stacked GGUF blocks or prepacked fp32), the rotary embedding and cache append in one pass
 (`few_rows.rope_append`, bitwise `apply_rotary_pos_emb`), the few-row attention kernel over the
 cache's buffer (in place, `cache.kv_room`), the MLP. Every value is therefore bitwise what the
@@ -28,11 +28,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import few_rows
-from .cache import crop, kv_room
+from ..ops import few_rows
+from .cache import crop, kv_room, plain_attention
 from .gguf_target import DENSE_ROWS, BlockLinear
-from .kernels import SHARED_KV_ATTENTION, _packed_enabled
-from .norms import is_fused
+from ..ops.attention import SHARED_KV_ATTENTION
+from ..ops.switch import packed_enabled
+from ..ops.norms import is_fused
 
 DECODERS = ("LlamaModel",)  # decoder classes whose forward `LlamaStep.forward` repeats
 LAYERS = ("LlamaDecoderLayer",)
@@ -85,7 +86,7 @@ class LlamaStep:
         attn = base.layers[0].self_attn
         self.head_dim, self.scaling = int(attn.head_dim), float(attn.scaling)
         self.norms = [self.norm] + [n for l in layers for n in (l.input_norm, l.post_norm)]
-        self.ext = few_rows._load()
+        self.ext = few_rows.library()
 
     @classmethod
     def build(cls, model: nn.Module) -> LlamaStep | None:
@@ -122,14 +123,12 @@ class LlamaStep:
         (transformers' DynamicCache) takes this step: plain attention layers holding a prefix, a
         bool mask or none, fewer rows than a block layer takes its dense weight for, taps of
         decoder layers or -1 (the embedding's output, transformers' `hidden_states[0]`)."""
-        from transformers.cache_utils import DynamicLayer
-
         if any(not -1 <= i < len(self.layers) for i in taps) or rows > few_rows.MAX_ROWS or rows >= DENSE_ROWS \
-                or not _packed_enabled() or torch.is_grad_enabled() \
+                or not packed_enabled() or torch.is_grad_enabled() \
                 or (mask is not None and mask.dtype != torch.bool) or len(kv.layers) != len(self.layers):
             return False
         first = kv.layers[0]
-        return all(type(l) is DynamicLayer and l.is_initialized for l in kv.layers) \
+        return all(plain_attention(l) and l.is_initialized for l in kv.layers) \
             and first.keys.dim() == 4 and first.keys.shape[2] > 0 and all(is_fused(n) for n in self.norms)
 
     def forward(self, ids: torch.Tensor, kv, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -151,7 +150,7 @@ class LlamaStep:
             mask = _NONE
         d = self.head_dim
         for i, (layer, cache) in enumerate(zip(self.layers, kv.layers)):
-            h = ext.rms_norm(x, layer.input_norm.weight, layer.input_norm.forward.eps)
+            h = ext.rms_norm(x, layer.input_norm.weight, layer.input_norm.eps)
             if len(layer.qkv) == 1:
                 q, k, v = layer.qkv[0](h).split_with_sizes(layer.splits, dim=-1)  # [M, Hq*D], [M, Hk*D] x 2
             else:
@@ -162,7 +161,7 @@ class LlamaStep:
             cache.keys, cache.values = kbuf[:, :, :n + t], vbuf[:, :, :n + t]
             a = ext.attention(q, cache.keys, cache.values, mask, self.scaling)  # [B, T, Hq, D]
             x = x + layer.o_proj(a.view(b * t, -1))
-            h = ext.rms_norm(x, layer.post_norm.weight, layer.post_norm.forward.eps)
+            h = ext.rms_norm(x, layer.post_norm.weight, layer.post_norm.eps)
             if len(layer.gate_up) == 1:
                 gate, up = layer.gate_up[0](h).split_with_sizes(layer.split_mlp, dim=-1)  # [M, I] each
             else:
@@ -173,10 +172,10 @@ class LlamaStep:
         x = x.view(b, t, -1)
         final = len(self.layers) - 1
         if final in taps:
-            outputs[final] = ext.rms_norm(x, self.norm.weight, self.norm.forward.eps)
+            outputs[final] = ext.rms_norm(x, self.norm.weight, self.norm.eps)
             return StepOutput(outputs[final][:, t - (t if keep is None else keep):], outputs)
         last = x[:, t - (t if keep is None else keep):]  # the final norm is row by row: only the rows kept
-        return StepOutput(ext.rms_norm(last, self.norm.weight, self.norm.forward.eps), outputs)
+        return StepOutput(ext.rms_norm(last, self.norm.weight, self.norm.eps), outputs)
 
 
 @torch.inference_mode()

@@ -23,10 +23,11 @@ import torch
 
 from .cache import TargetCache, check_rollback, crop, keep_positions, probe_rollback, restore, snapshot, tree_capable
 from ..errors import BlockdraftError
-from .kernels import SHARED_KV_ATTENTION, prepack, share_kv_heads
+from ..ops.attention import SHARED_KV_ATTENTION, share_kv_heads
+from ..ops.packed import prepack
 from .rope import call_dependent_limit
 from .llama_step import LlamaStep, matches_model
-from .norms import fuse_norms
+from ..ops.norms import fuse_norms
 from .gguf_source import (SMOLLM2_ALIAS, SMOLLM2_ARCHITECTURES, SMOLLM2_GGUF, cache_dir, gguf_blocks_wanted,  # noqa: F401
                           gguf_source, resolve_target_path, smollm2_gguf_dir, target_gguf_file)
 
@@ -121,7 +122,7 @@ class Target:
         self.dense_loader: Callable | None = None  # load_target sets it where the model computes from blocks
         self._dense = None
         if packed:  # prepacked linear layers and fused norms on the CPU, K/V heads shared in masked attention
-            prepack(self.model)  # (kernels.py, norms.py)
+            prepack(self.model)  # (ops/packed.py, ops/norms.py)
             fuse_norms(self.model)
             share_kv_heads(self.model)
         # a decode step's forward without transformers' modules (llama_step.py), where it computes

@@ -58,7 +58,7 @@ def save_vocab(directory: str | Path, ids: torch.Tensor, vocab: int, metadata: d
     """Write `vocab/draft_vocab.safetensors` (d2t, t2d) for the sorted target ids `ids`, whole (a
     temp file, fsynced, renamed); `metadata`: save_draft's stamp (checkpoint.py), none when a
     subset is given to a saved drafter."""
-    from .checkpoint import fsync_path, save_safetensors
+    from .files import fsync_path, save_safetensors
 
     ids = torch.as_tensor(ids, dtype=torch.long)
     _check(ids, vocab, str(directory))

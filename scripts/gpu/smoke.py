@@ -47,7 +47,7 @@ def main() -> None:
     print(f"smoke OK in {time.perf_counter() - t0:.1f} s")
 
     # `blockdraft ablate --jobs 2` on the GPU: spawned workers, each with its own CUDA target
-    from blockdraft.training import ablate as A
+    from blockdraft.lab import ablate as A
 
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
     refs = [torch.randint(0, 90, (12,), generator=gen).tolist() for _ in prompts]

@@ -1,5 +1,5 @@
 // GGUF blocks times activations quantized to int8: the opt-in faster mode of a GGUF target
-// (models/int8_activations.py), in the manner of llama.cpp's quantized dot products (activations in
+// (ops/int8_activations.py), in the manner of llama.cpp's quantized dot products (activations in
 // int8 blocks of 32 with an fp32 scale; llama.cpp's K-quant paths use blocks of 256). Not the
 // fp32 weights' result (the exact kernel is blocks512.cpp / few_rows.cpp): each row of x is
 // quantized in blocks of 32 inputs to int8 with one fp32 scale, each span of a weight's codes is

@@ -52,7 +52,7 @@ def evict_caches() -> None:
 @torch.inference_mode()
 def profile_step(target, draft, context_ids: list[int], blocks=BLOCKS, repeats: int = 7) -> dict:
     """Milliseconds of each part of a step at the context `context_ids` (see the module doc)."""
-    from .draft import DraftCache
+    from ..models.draft import DraftCache
 
     dev = target.device
     blocks = sorted({b for b in blocks if b >= 1})

@@ -1,5 +1,5 @@
 """A linear kernel for the few rows of a decode step, fp32 on x86 CPUs with AVX2 and FMA
-(`csrc/few_rows.cpp`, compiled on first use with the C++ compiler torch's extensions use).
+(`csrc/few_rows.cpp`, built by `make setup` or at the first use: extension.py).
 
 Why our own: a decode step multiplies 1 to 32 rows by every weight of the model. At one row that
 is a stream of the weights from memory, and oneDNN's packed kernel and PyTorch's default one read
@@ -17,94 +17,41 @@ block of 16, so a verify forward's linear layers compute exactly what plain deco
 The same extension holds the other kernels of a step's few rows: bf16- and int8-stored panels
 (`pack(w, torch.bfloat16)`, `pack(w, torch.int8)` with a scale per output feature, widened exactly
 and computed in fp32: the drafter's weights at a half or a quarter of the bytes,
-`kernels.draft_precision`), an RMSNorm in one pass (`rms_norm`, norms.py), the drafter's per-head
+`precision.draft_precision`), an RMSNorm in one pass (`rms_norm`, norms.py), the drafter's per-head
 norm and RoPE in one pass (`norm_rope`): at a few rows PyTorch's eight-odd small ops per norm cost
 their dispatch, not their arithmetic (`python scripts/forward_cost.py --norms`, `--draft`); and the
-attention of a step's few query rows (`attention`: the target's through `kernels._shared_kv_sdpa`,
+attention of a step's few query rows (`attention`: the target's through `attention._shared_kv_sdpa`,
 the drafter's in draft.py), which reads each K/V head once for the query heads that share it, in
 place in the cache, where transformers' unmasked one-token call copied K/V per query head
 (`python scripts/forward_cost.py --attention`). Its rows too are computed alone: a row's output
 depends only on its query and the keys it may see.
 
 `available()` says whether the kernel can run here; it returns False (once, with a warning) where
-the compiler, the instructions or the build are missing, and `kernels.py` then packs for oneDNN
+the compiler, the instructions or the build are missing, and packed.py then packs for oneDNN
 as before. BLOCKDRAFT_FEW_ROWS=0 turns it off.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import sys
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .cpu import cpu_flags
+from . import extension
 
-NAME = "blockdraft_few_rows"
 NR = 16  # output features per panel (csrc/few_rows.cpp)
 MAX_ROWS = 256  # calls of more rows (a long prompt's prefill) run the default kernel
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows.cpp", "rope_cache.cpp", "blocks512.cpp", "q8.cpp")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: ATen's parallel_for splits the panels across threads
-
-_ext = None
-_tried = False
 _NONE = torch.empty(0)  # the extension's "no tensor": float panels' scales, an unmasked attention's mask
 
 
 def available() -> bool:
-    """Whether the kernel is built and this CPU runs it (built on the first call, then cached)."""
-    return _load() is not None
+    """Whether the kernels are built and this CPU runs them (extension.py)."""
+    return library() is not None
 
 
-def enabled() -> bool:
-    return os.environ.get("BLOCKDRAFT_FEW_ROWS", "1") != "0"
-
-
-def _load():
-    global _ext, _tried
-    if _tried:
-        return _ext
-    _tried = True
-    if not enabled() or platform.machine().lower() not in ("x86_64", "amd64") or not _cpu_has_avx2_fma():
-        return None
-    from torch.utils import cpp_extension
-
-    try:
-        _ninja_on_path()
-        build = Path(cpp_extension._get_build_directory(NAME, verbose=False))
-        if not any(build.glob(f"{NAME}*.so")):
-            print("blockdraft: compiling the few-row linear kernel (once, about 30 s)", file=sys.stderr, flush=True)
-        ext = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        _ext = ext if ext.supported() else None
-        if _ext is not None:
-            _ext.set_avx512(os.environ.get("BLOCKDRAFT_AVX512", "1") != "0")
-    except Exception as err:  # no compiler, no ninja, a failed build: the other kernels still run
-        warnings.warn(f"blockdraft: the few-row linear kernel is unavailable ({type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using oneDNN's")
-    return _ext
-
-
-def _ninja_on_path() -> None:
-    """torch builds with the `ninja` on PATH: the one our dependency installs beside this Python
-    is not there when the venv is not activated."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
-
-
-def _cpu_has_avx2_fma() -> bool:
-    flags = cpu_flags()
-    if flags is None:
-        return True  # no /proc (not Linux): the extension checks the instructions itself
-    return "avx2" in flags and "fma" in flags and "f16c" in flags  # f16c: GGUF blocks' fp16 scales
+def library():
+    """The extension's module, whose functions this module wraps (None where it does not run)."""
+    return extension.load()
 
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
@@ -145,11 +92,11 @@ def pack(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tens
         raise ValueError(f"few-row panels are stored in float32, bfloat16 or int8, not {storage}")
     if storage == torch.int8:
         q, scales = quantize_int8(weight)
-        data = _load().pack(q.contiguous())
+        data = library().pack(q.contiguous())
         padded = torch.zeros(data.shape[0] * NR, dtype=torch.float32, device=weight.device)
         padded[: len(scales)] = scales
         return Int8Panels(data, padded)
-    return _load().pack(weight.detach().to(storage or weight.dtype).contiguous())
+    return library().pack(weight.detach().to(storage or weight.dtype).contiguous())
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor | Int8Panels, out_features: int,
@@ -157,9 +104,9 @@ def linear(x: torch.Tensor, panels: torch.Tensor | Int8Panels, out_features: int
     """x [..., K] @ weight.T (+ bias) from the weight's panels (fp32, bf16 or int8); fp32 [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(panels, Int8Panels):
-        y = _load().linear(rows, panels.data, out_features, panels.scales)  # [rows, N]
+        y = library().linear(rows, panels.data, out_features, panels.scales)  # [rows, N]
     else:
-        y = _load().linear(rows, panels, out_features, _NONE)
+        y = library().linear(rows, panels, out_features, _NONE)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_features)
@@ -168,13 +115,13 @@ def linear(x: torch.Tensor, panels: torch.Tensor | Int8Panels, out_features: int
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2, -1) + eps)) of fp32 rows in one pass (csrc/few_rows.cpp), each
     row independent of the others; `x`'s shape."""
-    return _load().rms_norm(x, weight, eps)
+    return library().rms_norm(x, weight, eps)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm then rotary embedding (rotate-half) in one pass: fp32 x [B, T, heads, D],
     cos/sin [1 or B, T, D] -> [B, heads, T, D] (csrc/few_rows.cpp)."""
-    return _load().norm_rope(x, weight, eps, cos, sin)
+    return library().norm_rope(x, weight, eps, cos, sin)
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -194,7 +141,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     key). Returns [B, T, Hq, D]. A row's visible keys are read in order and nothing else enters its
     sums: its output equals the same query decoded alone against those keys (csrc/few_rows.cpp)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _load().attention(q, k, v, _NONE if mask is None else mask, float(scale))
+    return library().attention(q, k, v, _NONE if mask is None else mask, float(scale))
 
 
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, cos: torch.Tensor,
@@ -203,4 +150,4 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int
     [B, T, H * D] (rows contiguous), cos/sin [1 or B, T, D]; rope(k) and v go into the buffers
     [B, Hk, capacity, D] at slots n .. n + T - 1; returns rope(q) [B, Hq, T, D], bitwise transformers'
     `apply_rotary_pos_emb`."""
-    return _load().rope_append(q, k, v, head_dim, cos, sin, kbuf, vbuf, n)
+    return library().rope_append(q, k, v, head_dim, cos, sin, kbuf, vbuf, n)

@@ -35,7 +35,7 @@ MODE = _Mode()
 
 def available() -> bool:
     """Whether this CPU runs the int8 kernel (AVX-512 with VNNI, the few-row extension built)."""
-    return few_rows.available() and bool(few_rows._load().q8_usable())
+    return few_rows.available() and bool(few_rows.library().q8_usable())
 
 
 def require(target=None) -> None:
@@ -69,7 +69,7 @@ def int8_activations(on: bool = True):
 def vnni_codes(panels: BlockPanels) -> torch.Tensor:
     """The weight's codes laid out for the dot products (made once, kept beside the blocks)."""
     if panels.vnni is None:
-        panels.vnni = few_rows._load().pack_vnni(panels.codes, KINDS[panels.kind].number)
+        panels.vnni = few_rows.library().pack_vnni(panels.codes, KINDS[panels.kind].number)
     return panels.vnni
 
 
@@ -77,7 +77,7 @@ def block_linear(x: torch.Tensor, panels: BlockPanels, bias: torch.Tensor | None
     """x [..., K] fp32 times the blocks with x quantized to int8 per row and block of 32: fp32 [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     m = panels.m if panels.m is not None else panels.d.new_empty(0)
-    y = few_rows._load().block_linear_q8(rows, vnni_codes(panels), panels.d, m, panels.out_features,
+    y = few_rows.library().block_linear_q8(rows, vnni_codes(panels), panels.d, m, panels.out_features,
                                          KINDS[panels.kind].number)  # [rows, N]
     if bias is not None:
         y += bias

@@ -148,7 +148,7 @@ def dequantize(panels: BlockPanels) -> torch.Tensor:
     for the 4-bit kinds, and one rounding for the 8-bit ones: what the kernel multiplies with); in
     one pass by the extension where it has AVX-512 (a long prompt's prefill makes each weight),
     else by torch's ops (`dequantize_torch`), bitwise the same."""
-    ext = few_rows._load() if panels.codes.device.type == "cpu" else None
+    ext = few_rows.library() if panels.codes.device.type == "cpu" else None
     if ext is not None and ext.dequantize_usable():
         m = panels.d.new_empty(0) if panels.m is None else panels.m
         return ext.block_dequantize(panels.codes, panels.d, m, panels.out_features, KINDS[panels.kind].number)
@@ -175,7 +175,7 @@ def block_linear(x: torch.Tensor, panels: BlockPanels, bias: torch.Tensor | None
     kernel gives on `gguf`'s dequantization of the same blocks."""
     rows = x.reshape(-1, x.shape[-1])
     empty = panels.d.new_empty(0)
-    y = few_rows._load().block_linear(rows, panels.codes, panels.d, empty if panels.m is None else panels.m,
+    y = few_rows.library().block_linear(rows, panels.codes, panels.d, empty if panels.m is None else panels.m,
                                       panels.out_features, KINDS[panels.kind].number)  # [rows, N]
     if bias is not None:
         y += bias

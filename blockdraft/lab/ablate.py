@@ -91,7 +91,7 @@ class StudySettings:
 
 
 def base_config(s: StudySettings, run: Run):
-    from .train import TrainConfig
+    from ..training.train import TrainConfig
 
     cfg = TrainConfig(data=s.data, out=str(Path(s.runs) / run.name), target=s.target, num_layers=3, num_taps=5,
                       block_size=16, anchors=s.anchors, batch_size=s.batch_size, lr=s.lr, gamma=s.gamma,
@@ -110,7 +110,7 @@ def _log(path: Path) -> list[dict]:
 
 def train_run(s: StudySettings, run: Run) -> Path:
     """Train (or finish training) one run; its drafter."""
-    from .train import train
+    from ..training.train import train
 
     cfg = base_config(s, run)
     out = Path(cfg.out)
@@ -325,7 +325,7 @@ def _adds_taps(init: str, num_taps: int) -> bool:
     """Whether a drafter continued from `init` can take `num_taps` taps: its own taps among them."""
     from ..models.checkpoint import config_from_json
     from ..models.draft_config import default_target_layer_ids
-    from .warmstart import tap_columns
+    from ..training.warmstart import tap_columns
 
     path = Path(init) / "config.json"
     if not path.exists():
@@ -354,7 +354,7 @@ def run_studies(s: StudySettings, studies: list[str], command: str) -> list[Path
                                   "run those studies from the target's layers (--init target)")
     if not (Path(s.data) / "samples.jsonl").exists():
         raise BlockdraftError(f"{s.data} is not a `blockdraft data` directory (no samples.jsonl)")
-    from .data import load_samples
+    from ..training.data import load_samples
 
     if not load_samples(s.data, "heldout"):
         raise BlockdraftError(f"{s.data} has no held-out samples, which score each run's accuracy")
