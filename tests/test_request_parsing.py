@@ -52,3 +52,9 @@ def test_bad_requests_are_refused_with_what_is_wrong(inputs, body, status, words
     with pytest.raises(ApiError) as err:
         prepare(inputs, **body)
     assert err.value.status == status and words in str(err.value)
+
+
+def test_serve_tree_option_reaches_every_request():
+    chains = Inputs(tiny_target("llama"), "tiny", default_max_tokens=16, lookup=False, tree_budget=None)
+    cfg = prepare(chains, prompt=[5, 17, 33], temperature=0).config
+    assert cfg.tree_budget is None and cfg.trees(True, True) is None and not cfg.lookup  # `serve --tree 0`

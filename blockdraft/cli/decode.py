@@ -80,12 +80,14 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
               max_queue: int, default_max_tokens: int, device: str | None, lookup: bool = True,
               dtype: str = "auto", draft_dtype: str = "auto", max_batch: int = 16,
               max_step_tokens: int | None = None, backend: str = "blockdraft", vllm_python: str = "python",
-              shutdown_grace: float = 10.0, max_body_bytes: int | None = None, activations: str = "float32") -> None:
+              shutdown_grace: float = 10.0, max_body_bytes: int | None = None, activations: str = "float32",
+              tree: int | None = None) -> None:
     import math
     import os
 
     if backend == "vllm":  # vLLM's OpenAI server with this drafter, in place of this process
         return _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, vllm_python)
+    from ..decoding.state import GenerationConfig
     try:
         from ..serving.lifecycle import serve_in_main_thread
         from ..serving.server import create_app
@@ -99,10 +101,11 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
         raise BlockdraftError(f"--shutdown-grace must be a number of seconds >= 0 (got {shutdown_grace})")
     if max_body_bytes is not None and max_body_bytes < 1024:
         raise BlockdraftError(f"--max-body-bytes must be at least 1024 (got {max_body_bytes})")
+    trees = GenerationConfig(tree_budget=tree_option(tree)).validate().tree_budget
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
-                     max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes)
+                     max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes, tree_budget=trees)
     serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "
                          f"({'API key required' if api_key else 'no API key'}; up to {max_batch} requests "
                          "decoded together)", shutdown_grace)
@@ -186,6 +189,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--max-step-tokens", type=int, default=None,
                    help="tokens one decode step may verify, the whole batch together (default: no cap)")
     add_lookup_arg(s)
+    add_tree_arg(s)
     add_dtype_args(s)
     add_activations_arg(s)
     s.add_argument("--device", default=None)

@@ -29,6 +29,7 @@ class Inputs:
     model_name: str
     default_max_tokens: int
     lookup: bool
+    tree_budget: int | str | None = "auto"  # GenerationConfig's: "auto" decodes as the library and the CLI do
 
     def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
         target = self.target
@@ -55,7 +56,7 @@ class Inputs:
                            "context_length_exceeded")
         sampling = SamplingParams(req.sampling_temperature, 0, req.top_p, req.seed)
         config = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, stop_strings=tuple(req.stop),
-                                  lookup=self.lookup)
+                                  lookup=self.lookup, tree_budget=self.tree_budget)
         try:
             validate_request(self.target, ids, config)
         except BlockdraftError as err:

@@ -54,15 +54,17 @@ def _unavailable(admission: Admission, max_queue: int) -> ApiError:
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, lookup: bool = True, max_batch: int = 16,
                max_step_tokens: int | None = None, worker_thread: bool = True,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, tree_budget: int | str | None = "auto") -> FastAPI:
     """`max_batch`: requests decoded together (1: one at a time); `max_step_tokens`: tokens one
     step may verify over the whole batch (None: no cap beyond the blocks' own); `max_body_bytes`:
-    the largest request body (None: `body_limit`). `worker_thread`: the app starts its engine
+    the largest request body (None: `body_limit`); `tree_budget`: every request's
+    (`GenerationConfig.tree_budget`: "auto", trees for greedy requests as the library decodes them;
+    None, chains). `worker_thread`: the app starts its engine
     worker in a thread; False: the caller runs `app.state.scheduler.run()` (in the main thread,
     where the engine runs faster: see scheduler.py, and lifecycle.serve_in_main_thread)."""
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, max_batch, max_step_tokens, metrics)
-    inputs = Inputs(engine.target, model_name, default_max_tokens, lookup)
+    inputs = Inputs(engine.target, model_name, default_max_tokens, lookup, tree_budget)
     body_bytes = max_body_bytes or body_limit(engine.target.max_context)
     # One thread for templates and tokenizers: off the event loop, and never two at once (a fast
     # tokenizer refuses concurrent use that changes its settings: "Already borrowed").
