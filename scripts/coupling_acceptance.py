@@ -14,7 +14,7 @@ import torch
 from blockdraft.cli.common import load_engine
 from blockdraft.decoding import engine as engine_module
 from blockdraft.decoding.engine import GenerationConfig
-from blockdraft.decoding.propose import Proposers
+from blockdraft.decoding.proposers import chain as chain_proposer
 from blockdraft.decoding.verify import SamplingParams
 from blockdraft.evaluation.datasets import load_prompts
 
@@ -23,25 +23,25 @@ def collect(temperature: float, prompts: int, tokens: int) -> tuple[torch.Tensor
     """(target logits, drafter logits) [N, V] at the first draft position of each drafting step."""
     engine = load_engine("smollm2-135m", None, None, "auto", "auto")
     pairs, drafted = [], {}
-    chain, verdict = Proposers.propose_chain, engine_module.verify
+    chain, verdict = chain_proposer.propose, engine_module.verify
 
-    def spy_chain(self, logits, *rest):
+    def spy_chain(p, logits, *rest):
         drafted["q"] = logits[0].float().clone()
-        return chain(self, logits, *rest)
+        return chain(p, logits, *rest)
 
     def spy_verify(draft, rows, *rest):
         if len(draft) > 1 and draft.is_chain and "q" in drafted:
             pairs.append((rows(0, 1)[0].float().clone(), drafted.pop("q")))
         return verdict(draft, rows, *rest)
 
-    Proposers.propose_chain, engine_module.verify = spy_chain, spy_verify
+    chain_proposer.propose, engine_module.verify = spy_chain, spy_verify
     try:
         for i, text in enumerate(load_prompts("mt-bench", prompts)):
             ids = engine.target.encode_prompt(text, True)
             engine.generate(ids, GenerationConfig(max_new_tokens=tokens, block_size=2, lookup=False,
                                                   sampling=SamplingParams(temperature, seed=i)))
     finally:
-        Proposers.propose_chain, engine_module.verify = chain, verdict
+        chain_proposer.propose, engine_module.verify = chain, verdict
     return torch.stack([p for p, _ in pairs]), torch.stack([q for _, q in pairs])
 
 

@@ -6,7 +6,7 @@ in a row and of all together, against the exact law, at a false-alarm rate of 10
 are fixed: a test passes or fails the same way every run).
 
 1. The verification functions (verify.py's `verify_sampled`; tree.py's `draft_candidates`,
-   `build_tree` and `verify_tree_sampled`, called as propose.py and engine.py call them) on a toy
+   `build_tree` and `verify_tree_sampled`, called as proposers/ and engine.py call them) on a toy
    target and drafter given as tables over V = 6 tokens: 10^5 draws per test, each drawn step
    after step until K = 3 tokens are committed, the target's rows read lazily as the engine reads
    them. Blocks have 3 drafts and trees 3 levels, so the third token comes from depth 3 when the
@@ -165,7 +165,7 @@ TREE_BUDGET = 12
 
 
 def tree_draws(t: Toy, n: int, seed: int, told: dict | None = None) -> torch.Tensor:
-    """As `chain_draws`, with a token tree per step the way propose.py builds one for sampled
+    """As `chain_draws`, with a token tree per step the way proposers/tree.py builds one for sampled
     proposals (`draft_candidates` without replacement, `build_tree` unmerged with the q they were
     drawn from) verified by `verify_tree_sampled` (multi-candidate rejection sampling)."""
     gen = torch.Generator().manual_seed(seed)
@@ -571,8 +571,9 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
     keep the law of whatever rows and q they are given), the engine keeps the target's law; a
     row read from another sequence, depth, cache state or filter would show here at any size."""
     from blockdraft.decoding import engine as engine_module
-    from blockdraft.decoding import propose as propose_module
     from blockdraft.decoding import verify as verify_module
+    from blockdraft.decoding.proposers import chain as chain_module
+    from blockdraft.decoding.proposers import tree as tree_module
 
     target = engine_target()
     engine, _ = oracle_engine(target)
@@ -586,7 +587,7 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
         return seq, first
 
     drawn = {}  # generator -> (probs, draws) of its last draft draw
-    real_sample, real_candidates = propose_module.sample, propose_module.draft_candidates
+    real_sample, real_candidates = chain_module.sample, tree_module.draft_candidates
 
     def sample(probs, gen):
         out = real_sample(probs, gen)
@@ -647,8 +648,8 @@ def test_the_engine_hands_the_verifier_the_target_rows_and_the_q_its_drafts_came
         return real_tree(t, p_at, generator)
 
     monkeypatch.setattr(engine_module.Batch, "join", join)
-    monkeypatch.setattr(propose_module, "sample", sample)
-    monkeypatch.setattr(propose_module, "draft_candidates", candidates)
+    monkeypatch.setattr(chain_module, "sample", sample)
+    monkeypatch.setattr(tree_module, "draft_candidates", candidates)
     monkeypatch.setattr(verify_module, "verify_sampled", chain)
     monkeypatch.setattr(verify_module, "verify_tree_sampled", tree)
     runs = run_batch(engine, rounds=4, new_tokens=32)

@@ -89,17 +89,17 @@ def test_a_subset_drafter_keeps_greedy_output_and_proposes_only_subset_tokens(ki
     truth = plain.generate(prompt, cfg).token_ids
     draft = tiny_draft(target, block_size=6)
     draft.vocab_ids = most_frequent([truth], 12, VOCAB)  # the subset holds much of the output
-    from blockdraft.decoding.propose import Proposers
+    from blockdraft.decoding.proposers import chain
 
     proposed = []
-    real = Proposers.propose_chain
+    real = chain.propose
 
-    def spy(self, logits, *rest):
-        proposal = real(self, logits, *rest)
+    def spy(p, logits, *rest):
+        proposal = real(p, logits, *rest)
         proposed.extend(proposal.draft.tokens[1:])
         return proposal
 
-    monkeypatch.setattr(Proposers, "propose_chain", spy)
+    monkeypatch.setattr(chain, "propose", spy)
     got = Engine(target, draft).generate(prompt, cfg)
     assert got.token_ids == truth
     assert proposed and set(proposed) <= set(draft.vocab_ids.tolist())

@@ -13,7 +13,7 @@ The policy picks argmax_b E(b) / c(b). Plain steps teach nothing about acceptanc
 runs plain steps it still probes the full block now and then: after `probe_every` plain steps,
 an interval that doubles after each probe that accepts nothing (up to `max_probe_every`), and
 resets when a probe is accepted; the steps on which prompt lookup displaced the drafter
-(propose.py) count as plain steps there, so a cost or acceptance measured badly once is measured
+(proposers/lookup.py) count as plain steps there, so a cost or acceptance measured badly once is measured
 again. The interval is never shorter than what keeps the probes' extra cost, c(B) - c(1) each,
 under `probe_budget` of the plain steps' time: a drafter that never helps then costs at most that.
 While the drafter runs, a block's cost is measured again where it is stale and may pay: every

@@ -3,7 +3,7 @@
 `Batch.step` is the whole algorithm, top to bottom, over the states of the sequences decoded
 together (`Sequence`; a lone request is a batch of one): plan (planner.py: with several
 sequences, the batch's block from the cost of a step of that many); per sequence, propose
-(propose.py: prompt lookup, the drafter's chain, or its token tree with the lookup as a branch;
+(proposers/: prompt lookup, the drafter's chain, or its token tree with the lookup as a branch;
 each a draft, tree.py's `Tree`, a chain the tree whose parents are i - 1); one target forward
 over every sequence's draft (slots.py: one cache, a row per sequence); per sequence, the verdict
 (verify.py's `verify`, one verifier for every shape) and the commit of the accepted path plus
@@ -29,7 +29,8 @@ from ..ops.packed import prepack
 from ..ops.precision import draft_precision
 from .planner import Planner, StepRecord
 from .policies import Policies
-from .propose import LOOKUP_BLOCK, DraftWanted, Proposal, Proposers, draft_blocks  # noqa: F401  (LOOKUP_BLOCK: re-exported)
+from .proposers import LOOKUP_BLOCK, DraftWanted, Proposal, Proposers, draft_blocks  # noqa: F401  (LOOKUP_BLOCK: re-exported)
+from .proposers import chain as chain_proposer, lookup as lookup_proposer, tree as tree_proposer
 from .slots import OwnCache, RowBlock, SlotCache
 from .state import (  # noqa: F401  (re-exported: what callers of the engine use)
     GenerationConfig, GenerationResult, GenerationStats, Step, StepSeconds, StepTimer, Stopper, add_counts,
@@ -120,23 +121,26 @@ def propose(seq: Sequence, target: Target, cap: int | None) -> Proposal | DraftW
     history = seq.prompt_ids + seq.stopper.generated
     if p.tree_budget is None or (p.tree is not None and cap is None):
         # chains, and a lone sequence's adaptive trees: the lookup alone (no draft forward) where it pays
-        proposal = p.propose_lookup(history, room, batched=cap is not None)
+        proposal = lookup_proposer.propose(p, history, room, batched=cap is not None)
         if proposal is not None:
             return proposal
     if p.tree_budget is None:
-        block = room if cap is not None and p.chain is not None else p.chain_block(room)
+        block = room if cap is not None and p.chain is not None else chain_proposer.block(p, room)
         if block > 1:
-            return DraftWanted(seq, block, lambda drafted: p.propose_chain(drafted, seq.anchor, seq.gen, seq.choose,
-                                                                           seq.position), p.top)
+            def finish_chain(drafted) -> Proposal:
+                return chain_proposer.propose(p, drafted, seq.anchor, seq.gen, seq.choose, seq.position)
+
+            return DraftWanted(seq, block, finish_chain, p.top)
         return Proposal(Tree.chain(seq.anchor, []), policy=p.chain)
-    branch = p.lookup_branch(history, room)
+    branch = lookup_proposer.branch(p, history, room)
     depth = min(p.block_size, room) - 1  # block positions the drafter may propose
-    size, depth = p.tree_size(depth, branch, cap) if depth > 0 else (1, 0)
+    size, depth = tree_proposer.budget(p, depth, branch, cap) if depth > 0 else (1, 0)
     if size > 1 and depth > 0:
-        return DraftWanted(seq, depth + 1,
-                           lambda drafted: p.propose_tree(drafted, seq.anchor, size, branch, seq.gen, resize=cap is None,
-                                                          choose=seq.choose, position=seq.position),
-                           p.top, ranked=p.greedy_proposals)
+        def finish(drafted) -> Proposal:
+            return tree_proposer.propose(p, drafted, seq.anchor, size, branch, seq.gen, resize=cap is None,
+                                         choose=seq.choose, position=seq.position)
+
+        return DraftWanted(seq, depth + 1, finish, p.top, ranked=p.greedy_proposals)
     return Proposal(Tree.chain(seq.anchor, []), policy=p.tree)
 
 

@@ -2,7 +2,7 @@
 
 - `Planner.plan`: with several sequences, the block the batch verifies, from the cost of a step of
   that many and what its sequences expect to accept (`LoadPolicy`); alone, each request's own
-  policies choose in propose.py.
+  policies choose in proposers/.
 - `Planner.learn`: each step emits a `StepRecord` (its proposals, verdicts and seconds); alone, a
   policy learns its acceptance and the step's cost; together, each its acceptance, and the
   batch's policy what a step of this many cost.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .adaptive import LoadPolicy, load_policy
 from .policies import Policies
-from .propose import Proposal
+from .proposers import Proposal
 from .tree import plan_trees
 from .verify import Verdict
 
