@@ -5,7 +5,7 @@ milliseconds per forward (median of 12, after 2 uncounted), three ways:
 - `transformers`: transformers' SDPA attention and cache layer as they are (K/V repeated per
   query-head group under a mask; the cache concatenated at every step);
 - `shared heads`: K/V heads shared by the kernel (attention.share_kv_heads);
-- `+ in place`: and the cache appended in place (slots._append_in_place), what the engine runs.
+- `+ in place`: and the cache appended in place (cache.SlotLayer), what the engine runs.
 
 Usage: python scripts/batch_forward.py [1,8,16] [PROMPT_TOKENS]   (SmolLM2, fp32, 2 threads)
 """
@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from blockdraft.decoding.slots import RowBlock, SlotCache
 from blockdraft.ops.attention import SHARED_KV_ATTENTION
@@ -30,9 +31,10 @@ def forward_ms(target, rows: int, prompt: int, in_place: bool, reps: int = 12) -
         target.forward(ids, cache, logits_at=1)
         target.rollback(cache, ids.shape[1])
         slots.join(cache)
-    if not in_place:
-        for layer in slots.kv.layers:
-            layer.__dict__.pop("update", None)  # transformers' own update again
+    if not in_place:  # transformers' own layers again: concatenation
+        for i, layer in enumerate(slots.kv.layers):
+            slots.kv.layers[i] = DynamicLayer()
+            slots.kv.layers[i].__dict__.update(layer.__dict__)
     blocks = [RowBlock([5]) for _ in range(rows)]
     times = []
     for i in range(reps + 2):

@@ -109,7 +109,7 @@ def blocks_compared(target, tokens: list[int]) -> None:
     """The GGUF target's block layers alone, in the forward's order (the body's layers, then the
     head), on csrc/blocks512.cpp against the AVX2 kernel and the int8-activation mode's (csrc/q8.cpp)
     where it runs (alternating, lowest of three)."""
-    from blockdraft.models import int8_activations
+    from blockdraft.ops import int8_activations
     from blockdraft.models.gguf_target import BlockLinear
 
     ext = few_rows.library()

@@ -29,7 +29,7 @@ def main() -> None:
         for rows in (1, 2, 4, 16):
             x = torch.randn(rows, 576)
             print(f"576 x 49152, {rows:2d} rows: nn.Linear {ms(lambda: lin(x)):6.2f} ms, "
-                  f"packed {ms(lambda: packed._packed(x)):6.2f} ms")
+                  f"PackedLinear {ms(lambda: packed(x)):6.2f} ms")
         for n_in, n_out in ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)):
             w = torch.randn(n_out, n_in)
             t = kernel_timings(w, 1)

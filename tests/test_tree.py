@@ -339,6 +339,7 @@ def test_the_default_is_trees_for_greedy_adaptive_decoding_and_chains_elsewhere(
     assert GenerationConfig().tree_budget == "auto" and trees() == DEFAULT_TREE
     assert trees(temperature=0.7) is None
     assert trees(block=4) is None
+    assert GenerationConfig(adaptive=False).trees(True, True) is None  # the drafter's full block: a chain
     assert trees(draft=False) is None
     assert trees(supports=False) is None
     assert trees(0) is None

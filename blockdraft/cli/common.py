@@ -74,7 +74,7 @@ def load_engine(target: str, draft: str | None, device: str | None = None, dtype
     target_dtype, chosen_draft_dtype = parse_dtype(dtype), parse_dtype(draft_dtype, DRAFT_DTYPES)
     tgt = load_target(target, device=device, dtype=target_dtype)
     if activations == "int8":
-        from ..models import int8_activations
+        from ..ops import int8_activations
 
         int8_activations.require(tgt)
         int8_activations.use(True)

@@ -104,6 +104,9 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     trees = GenerationConfig(tree_budget=tree_option(tree)).validate().tree_budget
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
+    if isinstance(trees, int) and not engine.target.supports_trees:  # refused at start, not on every request
+        raise BlockdraftError(f"--tree {tree}: target {target!r} cannot keep a tree's path (its cache holds "
+                              f"{sorted(set(engine.target.cache_kinds))}); use --tree 0 or leave it unset")
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
                      max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes, tree_budget=trees)
     serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "

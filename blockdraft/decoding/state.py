@@ -41,7 +41,7 @@ class GenerationConfig:
         its nodes every step). The library, the CLI and the server all decode by this rule."""
         if self.tree_budget != "auto":
             return self.tree_budget
-        ahead = self.block_size is None and self.sampling.greedy and has_draft and supports_trees
+        ahead = self.block_size is None and self.adaptive and self.sampling.greedy and has_draft and supports_trees
         return DEFAULT_TREE if ahead else None
 
     def validate(self) -> "GenerationConfig":

@@ -160,7 +160,7 @@ def run_bench(target, draft, prompts: list[list[int]], methods=("dflash", "ar", 
               coupling: str = "gumbel") -> dict:
     """`references`: each prompt's greedy continuation for the oracle (computed here when None).
     `cost_repeats`: timings of each forward per prompt for the cost model. `profile`: after the
-    prompts, the cost of each part of a step by number of tokens (profile.py), in this run.
+    prompts, the cost of each part of a step by number of tokens (lab/profiling.py), in this run.
     `packed=False`: our engine on transformers' own linear kernels too (ops/packed.py), the
     "before" of the fast forward; hf methods always run those. `peer`: {method: a started
     peer_vllm.VllmPeer or peer_llamacpp.LlamaCppPeer} for the other engines' methods. `journal`: a file where each prompt's figures are

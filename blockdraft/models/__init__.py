@@ -1,1 +1,1 @@
-"""Model adapters and checkpoints: the target, the drafter, their caches and kernels."""
+"""Model adapters and checkpoints: the target, the drafter, their caches (kernels: ops/)."""

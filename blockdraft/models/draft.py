@@ -240,7 +240,7 @@ class DraftModel(nn.Module):
         `SubsetHead`, made once per target head, dtype and storage)."""
         # a head over GGUF blocks (gguf_target.BlockLinear) makes its fp32 weight on each access:
         # its blocks, which do not change, say whether the copy made before still holds
-        blocks = getattr(lm_head, "panels", None)
+        blocks = None if isinstance(lm_head, nn.Linear) else getattr(lm_head, "panels", None)  # (PackedLinear's are its own)
         dtype = torch.float32 if blocks is not None else lm_head.weight.dtype
         if self.vocab_ids is None and dtype == self.dtype and self.weight_storage is None:
             return lm_head

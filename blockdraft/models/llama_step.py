@@ -77,7 +77,9 @@ class StepOutput:
 
 
 class LlamaStep:
-    """transformers' LlamaModel.forward for a decode step's few rows (module docstring)."""
+    """transformers' LlamaModel.forward for a decode step's few rows (module docstring). It holds
+    the model's modules as they are when built (the packed layers and fused norms ops/ swapped in):
+    a model unpacked or unfused after needs a new step (`Target.step = LlamaStep.build(model)`)."""
 
     def __init__(self, model: nn.Module, layers: list[StepLayer]):
         base = model.base_model

@@ -18,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import warnings
@@ -66,9 +67,13 @@ def wanted() -> str | None:
 
 
 def build(quiet: bool = False) -> Path:
-    """Compile the extension in a child process (about 30 s on 2 cores); its library's path."""
+    """Compile the extension in a child process (about 30 s on 2 cores) into a folder of its own,
+    renamed into place whole (a killed build or a concurrent one never leaves a torn library);
+    its library's path."""
     out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     env = dict(os.environ)
     try:
         import ninja  # the build tool torch's cpp_extension runs: our dependency's, on the child's PATH
@@ -81,13 +86,30 @@ def build(quiet: bool = False) -> Path:
             "extra_ldflags=['-fopenmp'], verbose=False)")
     if not quiet:
         print("blockdraft: compiling the few-row kernels (once, about 30 s)", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-c", code, str(out), *map(str, SOURCES)], env=env,
+    done = subprocess.run([sys.executable, "-c", code, str(tmp), *map(str, SOURCES)], env=env,
                           capture_output=True, text=True)
-    lib = built()
-    if done.returncode != 0 or lib is None:
+    if done.returncode != 0 or not any(tmp.glob(f"{NAME}*.so")):
+        shutil.rmtree(tmp, ignore_errors=True)
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise RuntimeError("the build failed: " + " | ".join(tail))
-    return lib
+    shutil.rmtree(out, ignore_errors=True)  # a library that did not import (`library`), if any
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process put its build in place first: use that one
+        shutil.rmtree(tmp, ignore_errors=True)
+    return built()
+
+
+def library() -> Path:
+    """This version's library, built if it is missing or does not import (then built anew once)."""
+    lib = built()
+    if lib is not None:
+        try:
+            import_library(lib)
+            return lib
+        except ImportError:
+            pass
+    return build()
 
 
 def import_library(lib: Path):
@@ -109,7 +131,7 @@ def load():
     module = None
     if wanted() is None:
         try:
-            module = import_library(built() or build())
+            module = import_library(library())
             if not module.supported():
                 module = None
             else:
@@ -128,7 +150,7 @@ def main() -> None:  # python -m blockdraft.ops.extension: `make setup`'s build 
         print(f"blockdraft: the few-row kernels are not built here: {reason}; oneDNN's kernels run instead")
         return
     try:
-        lib = built() or build()
+        lib = library()  # imported once: a library that does not is built anew
     except RuntimeError as err:
         print(f"blockdraft: the few-row kernels could not be built ({err}); oneDNN's kernels run instead")
         return

@@ -38,7 +38,12 @@ class FusedRMSNorm(nn.Module):
 
     @property
     def replaced(self) -> nn.Module:
-        return self._replaced[0]
+        """The replaced norm, over this module's weight parameter (put back if a load with
+        `assign=True` or a conversion replaced the parameter here)."""
+        norm = self._replaced[0]
+        if norm.weight is not self.weight:
+            norm.weight = self.weight
+        return norm
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or not runs_fused(self, x):  # more than the rows (a gate): as written
@@ -81,6 +86,19 @@ def _reproduces(module: nn.Module, eps: float) -> bool:
         and bool(torch.allclose(mine, theirs, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE))
 
 
+def _fusable(module: nn.Module) -> float | None:
+    """The epsilon of a norm the kernel reproduces, else None: named like an RMSNorm, its state a
+    1-D weight alone, no hooks on it (they would be lost with it), on a CPU in fp32, and its
+    forward and the kernel agreeing on a probe."""
+    w = getattr(module, "weight", None)
+    eps = _epsilon(module)
+    if "rmsnorm" not in type(module).__name__.lower() or not isinstance(w, nn.Parameter) or w.dim() != 1 \
+            or eps is None or list(module.state_dict()) != ["weight"] or any(True for _ in module.buffers()) \
+            or module._forward_hooks or module._forward_pre_hooks:
+        return None
+    return eps if few_rows.runs_on(w.device, w.dtype) and _reproduces(module, eps) else None
+
+
 def fuse_norms(model: nn.Module) -> int:
     """Swap a `FusedRMSNorm` in for every RMSNorm under `model` that the kernel reproduces
     (idempotent); returns how many are fused. Does nothing where the kernel cannot run (not fp32
@@ -90,15 +108,9 @@ def fuse_norms(model: nn.Module) -> int:
         for name, module in list(parent.named_children()):
             if is_fused(module):
                 count += 1
-                continue
-            w = getattr(module, "weight", None)
-            eps = _epsilon(module)
-            if "rmsnorm" not in type(module).__name__.lower() or not isinstance(w, nn.Parameter) or w.dim() != 1 \
-                    or list(module.state_dict()) != ["weight"] or any(True for _ in module.buffers()) or eps is None \
-                    or not few_rows.runs_on(w.device, w.dtype) or not _reproduces(module, eps):
-                continue
-            setattr(parent, name, FusedRMSNorm(module, eps))
-            count += 1
+            elif (eps := _fusable(module)) is not None:
+                setattr(parent, name, FusedRMSNorm(module, eps))
+                count += 1
     return count
 
 

@@ -250,7 +250,7 @@ def prepack(module: nn.Module, storage: torch.dtype | None = None) -> nn.Module:
             if child.storage != storage:
                 child.repack(storage)
             return child
-        if type(child) is not nn.Linear:
+        if type(child) is not nn.Linear or _hooked(child):  # a hook on it would be lost with it
             return child
         if id(child) not in swapped:
             swapped[id(child)] = PackedLinear.of(child, storage)
@@ -262,8 +262,12 @@ def prepack(module: nn.Module, storage: torch.dtype | None = None) -> nn.Module:
 
 def unpack(module: nn.Module) -> nn.Module:
     """Undo `prepack`: plain `nn.Linear`s over the same parameters (the module, or its plain self)."""
+    plain_of: dict[int, nn.Module] = {}  # a module under two parents comes back as one
+
     def plain(child: nn.Module) -> nn.Module:
-        return child.plain() if isinstance(child, PackedLinear) else child
+        if not isinstance(child, PackedLinear):
+            return child
+        return plain_of.setdefault(id(child), child.plain())
 
     _replace(module, plain)
     return plain(module)
@@ -276,6 +280,11 @@ def _replace(module: nn.Module, swap) -> None:
             new = swap(child)
             if new is not child:
                 setattr(parent, name, new)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks were registered on the module (transformers' output recorders, a user's)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
 
 
 def is_packed(layer: nn.Module) -> bool:
