@@ -87,7 +87,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
 
     if backend == "vllm":  # vLLM's OpenAI server with this drafter, in place of this process
         return _exec_vllm(target, draft, host, port, api_key, model_name, dtype, device, vllm_python)
-    from ..decoding.state import GenerationConfig
+    from ..decoding.state import GenerationConfig, check_trees
     try:
         from ..serving.lifecycle import serve_in_main_thread
         from ..serving.server import create_app
@@ -104,9 +104,7 @@ def cmd_serve(target: str, draft: str | None, host: str, port: int, api_key: str
     trees = GenerationConfig(tree_budget=tree_option(tree)).validate().tree_budget
     api_key = api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     engine = load_engine(target, draft, device, dtype, draft_dtype, activations)
-    if isinstance(trees, int) and not engine.target.supports_trees:  # refused at start, not on every request
-        raise BlockdraftError(f"--tree {tree}: target {target!r} cannot keep a tree's path (its cache holds "
-                              f"{sorted(set(engine.target.cache_kinds))}); use --tree 0 or leave it unset")
+    check_trees(engine.target, trees)  # refused at start, not on every request
     app = create_app(engine, model_name or target, api_key, max_queue, default_max_tokens, lookup, max_batch,
                      max_step_tokens, worker_thread=False, max_body_bytes=max_body_bytes, tree_budget=trees)
     serve_in_main_thread(app, host, port, f"blockdraft serve: {model_name or target} on http://{host}:{port}/v1 "

@@ -185,7 +185,7 @@ class Batch:
     def __init__(self, target: Target, draft: DraftModel | None, policies: Policies,
                  clock: Callable[[], float] = time.perf_counter, max_step_tokens: int | None = None):
         self.target, self.draft, self.policies, self.clock = target, draft, policies, clock
-        self.planner = Planner(policies, draft.block_size if draft is not None else None, max_step_tokens)
+        self.planner = Planner(draft.block_size if draft is not None else None, max_step_tokens)
         # one cache for all (plain attention), else one sequence at a time in a cache of its own
         self.cache = SlotCache() if target.supports_trees else OwnCache(target)
         self.sequences: list[Sequence] = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .adaptive import LoadPolicy, load_policy
-from .policies import Policies
 from .proposers import Proposal
 from .tree import plan_trees
 from .verify import Verdict
@@ -38,8 +37,7 @@ class BatchPlan:
 class Planner:
     """A batch's plans and learning over the engine's `Policies` (see the module's docstring)."""
 
-    def __init__(self, policies: Policies, draft_block: int | None, max_step_tokens: int | None = None):
-        self.policies = policies
+    def __init__(self, draft_block: int | None, max_step_tokens: int | None = None):
         self.draft_block = draft_block  # the drafter's block (None: no drafter)
         self.max_step_tokens = max_step_tokens  # with several sequences: blocks of at most this many tokens in all
 
@@ -48,19 +46,22 @@ class Planner:
         planned with the sequences' expected tokens: a chain's own acceptance; a tree's, the best
         tree of that many nodes under its rates; a lookup's, the shared chain rates; one whose
         block does not follow the batch's, one token a step."""
-        adapting = [s.proposers.adapts for s in sequences]
-        if len(sequences) < 2 or self.draft_block is None or not any(adapting):
+        if len(sequences) < 2 or self.draft_block is None or not any(s.proposers.adapts for s in sequences):
             return BatchPlan()
         policies = sequences[0].proposers.policies  # the first sequence's temperature band's
         chain = policies.chain(self.draft_block)
         load = load_policy(policies.loads, chain, len(sequences))
         blocks = range(1, load.max_block + 1)
+        plans: dict[tuple, list[float]] = {}  # the tree plans of this step: sequences of one mode share rates
 
         def expected(p) -> list[float]:  # E(b) for b in blocks
             if p.own is not None:
                 return [p.own.expected_tokens(b) for b in blocks]
             if p.tree is not None:
-                trees = plan_trees(p.rates, p.block_size - 1, p.tree_budget).expected
+                key = (id(p.rates), p.block_size, p.tree_budget)
+                if key not in plans:
+                    plans[key] = plan_trees(p.rates, p.block_size - 1, p.tree_budget).expected
+                trees = plans[key]
                 return [trees[min(b, len(trees)) - 1] for b in blocks]
             return [chain.expected_tokens(b) if p.lookup_adaptive else 1.0 for b in blocks]
 

@@ -79,6 +79,9 @@ class StepSeconds:
     verify: float = 0.0  # the target's LM head on the rows read and the verdict
     commit: float = 0.0  # cache rollback, draft-context bookkeeping, policies, stop checks
 
+    def add(self, phase: str, seconds: float) -> None:
+        setattr(self, phase, getattr(self, phase) + seconds)
+
     def as_dict(self) -> dict:
         return dict(vars(self))
 
@@ -95,8 +98,7 @@ class StepTimer:
         """fn(*args), its seconds charged to `seq` alone."""
         t = self.clock()
         out = fn(*args)
-        seconds = seq.stats.step_seconds
-        setattr(seconds, phase, getattr(seconds, phase) + self.clock() - t)
+        seq.stats.step_seconds.add(phase, self.clock() - t)
         return out
 
     @contextmanager
@@ -105,8 +107,7 @@ class StepTimer:
         yield
         elapsed = self.clock() - t
         for s in seqs:
-            seconds = s.stats.step_seconds
-            setattr(seconds, phase, getattr(seconds, phase) + elapsed)
+            s.stats.step_seconds.add(phase, elapsed)
 
     def elapsed(self) -> float:
         return self.clock() - self.start
@@ -192,6 +193,14 @@ class Stopper:
         return any(s in tail for s in self.stop_strings)
 
 
+def check_trees(target: Target, tree_budget: int | str | None) -> None:
+    """Trees asked for (a budget; "auto" gives chains where trees cannot run) on a target whose
+    cache can keep a tree's path, refused before any work."""
+    if isinstance(tree_budget, int) and not target.supports_trees:
+        raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
+                              f"{target.name!r} has {sorted(set(target.cache_kinds))}")
+
+
 def validate_request(target: Target, prompt_ids: list[int], config: GenerationConfig) -> None:
     config.validate()
     if not prompt_ids:
@@ -201,9 +210,7 @@ def validate_request(target: Target, prompt_ids: list[int], config: GenerationCo
         raise BlockdraftError(
             f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}{why}"
         )
-    if isinstance(config.tree_budget, int) and not target.supports_trees:  # asked for ("auto" gives chains)
-        raise BlockdraftError(f"tree verification needs a cache of plain attention layers; target "
-                              f"{target.name!r} has {sorted(set(target.cache_kinds))}")
+    check_trees(target, config.tree_budget)
     bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
     if bad:
         raise BlockdraftError(f"prompt token ids {bad[:5]} are outside the vocabulary of {target.vocab_size}")
